@@ -1,0 +1,62 @@
+"""softtrust: trust-region and importance-weighting policy losses for off-policy RL of LLMs.
+
+The public API, re-exported names only. See DESIGN.md / docs/ for the architecture.
+"""
+
+from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
+from softtrust.aggregation import AGGREGATIONS, aggregate
+from softtrust.corrections import MIS, OPSM, TIS
+from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
+from softtrust.loss import LossOutput, PolicyLoss
+from softtrust.methods import (
+    CFPO,
+    CISPO,
+    GMPO,
+    GSPO,
+    METHODS,
+    PSPO,
+    REINFORCE,
+    SAPO,
+    VESPO,
+    Clip,
+    Method,
+    MethodInputs,
+    MethodOutput,
+    make_method,
+    register_method,
+)
+from softtrust.ratios import LEVELS
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ADVANTAGE_SCALES",
+    "AGGREGATIONS",
+    "CFPO",
+    "CISPO",
+    "GMPO",
+    "GSPO",
+    "KL",
+    "KL_ESTIMATORS",
+    "LEVELS",
+    "METHODS",
+    "MIS",
+    "OPSM",
+    "PSPO",
+    "REINFORCE",
+    "SAPO",
+    "TIS",
+    "VESPO",
+    "Clip",
+    "LossOutput",
+    "Method",
+    "MethodInputs",
+    "MethodOutput",
+    "PolicyLoss",
+    "aggregate",
+    "group_advantages",
+    "kl_estimate",
+    "make_method",
+    "register_method",
+    "rloo_advantages",
+]

@@ -1,0 +1,177 @@
+"""Behaviour corrections: when the sampler is not the policy the trainer scores.
+
+The rollout engine (vLLM, a bf16 sampler, an asynchronous worker) produced the
+tokens with log-probs ``rollout``, while the trainer's behaviour log-probs are
+``old``. The correction ratio is ``ρ = π_old / π_rollout = exp(old - rollout)``,
+per token or per sequence (the product, ``exp(Σ_t m·(old - rollout))``).
+
+| correction | weight on ℓ                       | notes |
+| ---------- | --------------------------------- | ----- |
+| TIS        | ``min(ρ, C)``                     | truncated IS; C = 2 (verl), 3 (TRL) |
+| MIS        | ``ρ·1[lo <= ρ <= hi]``            | masked IS / IcePop; a sequence ρ is a product, so long sequences are masked more often |
+| OPSM       | drop a sequence if ``A < 0`` and ``mean_t(rollout - logp) > δ`` | DeepSeek-V3.2's off-policy sequence mask |
+
+Weights carry no gradient. For most methods an IS weight multiplies the per-token
+loss; VESPO instead folds ``log w`` into its sequence log-weight (see
+:func:`fold_log_weight`), as its official implementation does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from softtrust._validation import check_choice, check_number
+from softtrust.methods import VESPO_LOG_W_FLOOR
+from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, masked_sequence_sum
+
+CORRECTION_LEVELS = ("token", "sequence")
+
+
+def rollout_log_ratio(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    clamp: float = DEFAULT_LOG_RATIO_CLAMP,
+) -> torch.Tensor:
+    """``log ρ``: [B, T] (token, 0 at masked) or [B, 1] (sequence: Σ_t m·log ρ_t), clamped, detached."""
+    log_rho = torch.where(mask, (old_logprobs - rollout_logprobs).clamp(-clamp, clamp), 0).detach()  # [B, T]
+    if level == "token":
+        return log_rho
+    return log_rho.sum(dim=-1, keepdim=True).clamp(-clamp, clamp)  # [B, 1]
+
+
+@dataclass(frozen=True)
+class ImportanceCorrection:
+    """Base class of the IS corrections (TIS, MIS): a detached log-weight per token or sequence."""
+
+    kind: ClassVar[str] = "is"
+    level: str = "token"
+
+    def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """``log w`` from ``log ρ`` (same shape); ``-inf`` means weight 0."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class TIS(ImportanceCorrection):
+    """Truncated importance sampling: ``w = min(ρ, cap)``.
+
+    Args:
+        cap: C > 0 (verl: 2, TRL: 3).
+        level: ``"token"`` (ρ per token) or ``"sequence"`` (ρ = product over the sequence).
+
+    References:
+        Yao et al., "Your efficient RL framework secretly brings you off-policy RL training" (2025).
+    """
+
+    cap: float = 2.0
+    level: str = "token"
+
+    def __post_init__(self) -> None:
+        check_number("cap", self.cap, low=0.0, low_inclusive=False)
+        check_choice("level", self.level, CORRECTION_LEVELS)
+
+    def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:
+        return log_rho.clamp(max=math.log(self.cap))
+
+
+@dataclass(frozen=True)
+class MIS(ImportanceCorrection):
+    """Masked importance sampling (IcePop): ``w = ρ·1[low <= ρ <= high]``.
+
+    Args:
+        low: lower bound (>= 0, < high).
+        high: upper bound (> low).
+        level: ``"sequence"`` (default) or ``"token"``.
+    """
+
+    low: float = 0.5
+    high: float = 2.0
+    level: str = "sequence"
+
+    def __post_init__(self) -> None:
+        check_number("low", self.low, low=0.0)
+        check_number("high", self.high)
+        if not self.low < self.high:
+            raise ValueError(f"MIS needs low < high, got low={self.low!r}, high={self.high!r}")
+        check_choice("level", self.level, CORRECTION_LEVELS)
+
+    def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:
+        rho = torch.exp(log_rho)
+        inside = (rho >= self.low) & (rho <= self.high)
+        return torch.where(inside, log_rho, float("-inf"))
+
+
+@dataclass(frozen=True)
+class OPSM:
+    """Off-policy sequence mask (DeepSeek-V3.2): drop negative samples that drifted too far.
+
+    A sequence is dropped when ``A < 0`` and ``mean_t(rollout_t - logp_t) > δ``,
+    where ``rollout`` is the sampler's log-prob (the behaviour log-prob when no
+    rollout log-probs are given): both staleness and engine mismatch count.
+
+    Args:
+        delta: δ >= 0.
+
+    References:
+        DeepSeek-AI, DeepSeek-V3.2, arXiv:2512.02556.
+    """
+
+    kind: ClassVar[str] = "mask"
+    delta: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_number("delta", self.delta, low=0.0)
+
+    def keep(
+        self,
+        logprobs: torch.Tensor,
+        sampler_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        num_active: torch.Tensor,
+    ) -> torch.Tensor:
+        """Bool, broadcastable to [B, T]: True where the sample is kept."""
+        drift = masked_sequence_sum(sampler_logprobs - logprobs.detach(), mask)  # [B, 1]
+        mean_drift = drift / num_active.clamp(min=1)  # [B, 1]
+        return (advantages >= 0) | (mean_drift <= self.delta)
+
+
+Correction = ImportanceCorrection | OPSM
+
+
+def fold_log_weight(
+    log_ratio: torch.Tensor,
+    log_weight: torch.Tensor,
+    correction_level: str,
+    mask: torch.Tensor,
+    level: str,
+    num_active: torch.Tensor,
+) -> torch.Tensor:
+    """Add a correction's log-weight into a sequence-level log-ratio (VESPO's folding).
+
+    ``log W += Σ_t m·clamp(log w_t, log 1e-8, ·)`` for a token correction, or
+    ``+= log w_i`` for a sequence one (at ``sequence-mean`` level both are divided
+    by the sequence length, the same normalisation as the ratio). The floor at
+    ``log 1e-8`` (VESPO's W floor) turns a masked-out MIS token (``-inf``) into a
+    finite, vanishing weight.
+
+    Args:
+        log_ratio: [B, 1] sequence-level log-ratio (differentiable).
+        log_weight: [B, T] (token correction) or [B, 1] (sequence correction), detached.
+        correction_level: ``"token"`` or ``"sequence"``, the correction's level.
+        mask: [B, T] bool.
+        level: the method's level, ``"sequence-sum"`` or ``"sequence-mean"``.
+        num_active: [B, 1] active tokens per row.
+    """
+    log_weight = log_weight.clamp(min=VESPO_LOG_W_FLOOR)
+    if correction_level == "token":
+        log_weight = masked_sequence_sum(log_weight, mask)  # [B, 1]
+    if level == "sequence-mean":
+        log_weight = log_weight / num_active.clamp(min=1)
+    return log_ratio + log_weight
