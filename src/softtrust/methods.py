@@ -13,6 +13,7 @@ else changes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -85,6 +86,11 @@ class Method:
 
     def loss(self, inputs: MethodInputs) -> MethodOutput:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def _select(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
+    """``where(condition, a, b)`` for two Python floats, in ``like``'s dtype (a bare float pair gives float32)."""
+    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
 
 
 _SUM_LEVEL_NOTE = (
@@ -250,7 +256,7 @@ class SAPO(Method):
     def loss(self, inputs: MethodInputs) -> MethodOutput:
         advantages = inputs.advantages
         ratio = torch.exp(inputs.log_ratio)  # [B, T] or [B, 1]
-        tau = torch.where(advantages > 0, self.tau_pos, self.tau_neg)  # [B, 1] or [B, T]
+        tau = _select(advantages > 0, self.tau_pos, self.tau_neg, advantages)  # [B, 1] or [B, T]
         gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
         return MethodOutput(-gate * advantages, {})
 
@@ -347,8 +353,8 @@ class VESPO(Method):
         with torch.no_grad():
             log_w = log_w.clamp(min=VESPO_LOG_W_FLOOR)
             nonneg = advantages >= 0
-            k = torch.where(nonneg, self.k_pos, self.k_neg)
-            lam = torch.where(nonneg, self.lambda_pos, self.lambda_neg)
+            k = _select(nonneg, self.k_pos, self.k_neg, advantages)
+            lam = _select(nonneg, self.lambda_pos, self.lambda_neg, advantages)
             log_phi = lam + k * log_w - lam * torch.exp(log_w)  # log-space: W^k underflows, e^{λW} overflows
             return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -461,7 +467,7 @@ def make_method(method: str | Method, **params: object) -> Method:
         if not params:
             return method
         cls = type(method)
-        current = {f: getattr(method, f) for f in cls.__dataclass_fields__}
+        current = {f.name: getattr(method, f.name) for f in dataclasses.fields(cls)}
         method_cls, params = cls, {**current, **params}
     elif isinstance(method, str):
         if method not in METHODS:
@@ -469,7 +475,7 @@ def make_method(method: str | Method, **params: object) -> Method:
         method_cls = METHODS[method]
     else:
         raise ValueError(f"method must be a registry name or a Method instance, got {type(method).__name__}")
-    fields = set(method_cls.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(method_cls)}
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ValueError(

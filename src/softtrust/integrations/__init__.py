@@ -1,0 +1,1 @@
+"""Adapters into the tools users already run (TRL, PyTorch distributed)."""

@@ -1,0 +1,191 @@
+"""Peer parity: softtrust against TRL 1.16.0's own code, called at run time.
+
+TRL's configuration is mapped onto softtrust objects with
+``softtrust.integrations.trl_config.from_trl_config`` and ``trl_normalisers``; TRL's
+``GRPOTrainer._compute_loss`` runs on the same crafted float64 tensors through the
+harness in ``trl_oracle.py``. Loss values and gradients must agree to 1e-6 (they agree
+to ~1e-15 in practice).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from trl import GRPOTrainer
+
+import softtrust as st
+from softtrust.integrations.trl_config import from_trl_config, trl_normalisers
+
+from trl_oracle import make_trl_trainer, trl_loss_and_grad
+
+B, T = 4, 8  # the harness's per_device_train_batch_size and max_completion_length
+GA, SPG = 2, 4  # gradient accumulation < steps_per_generation: samples are really off-policy
+
+
+def crafted(seed: int, spread: float = 0.35):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = -3 * torch.rand(B, T, generator=gen, dtype=torch.float64)
+    old = logprobs + spread * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    sampling = old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref = logprobs + 0.2 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    advantages = torch.tensor([1.2, -0.8, 0.5, -1.5], dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=gen) < 0.8).long()
+    mask[:, 0] = 1
+    mask[2, 5:] = 0
+    # A few entries far off-policy, so that clipping, dual regions and φ's tail are all exercised.
+    old[0, 1] -= 1.0
+    old[1, 2] += 1.0
+    return logprobs, old, sampling, ref, advantages, mask
+
+
+def softtrust_loss_and_grad(policy_loss, normalisers, logprobs, old, advantages, mask, **kwargs):
+    leaf = logprobs.clone().requires_grad_(True)
+    out = policy_loss(leaf, old, advantages, mask.bool(), **normalisers, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    return out.loss.detach(), grad
+
+
+def check_parity(tmp_path, seed=0, trl_kwargs=None, st_kwargs=None, mapping_overrides=None, **config):
+    trainer = make_trl_trainer(tmp_path, gradient_accumulation_steps=GA, steps_per_generation=SPG, **config)
+    logprobs, old, sampling, ref, advantages, mask = crafted(seed)
+    inputs = {"ref": ref, "sampling": sampling, "old": old}
+    trl_kwargs = {k: (inputs[v] if isinstance(v, str) else v) for k, v in (trl_kwargs or {}).items()}
+    st_kwargs = {k: (inputs[v] if isinstance(v, str) else v) for k, v in (st_kwargs or {}).items()}
+    num_items = mask.sum() * SPG
+    expected_loss, expected_grad = trl_loss_and_grad(
+        trainer, logprobs, old, advantages, mask, num_items_in_batch=num_items, **trl_kwargs
+    )
+    mapping_config = types.SimpleNamespace(**{**vars(trainer.args), **(mapping_overrides or {})})
+    policy_loss = from_trl_config(mapping_config)
+    normalisers = trl_normalisers(mapping_config, mask.bool(), num_items, GA)
+    loss, grad = softtrust_loss_and_grad(
+        policy_loss, normalisers, logprobs, old, advantages, mask, **st_kwargs
+    )
+    assert loss.item() == pytest.approx(expected_loss.item(), abs=1e-6, rel=1e-6)
+    torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-6)
+    assert expected_grad.abs().sum() > 0
+    return policy_loss
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_trl_loss_type_parity(tmp_path, loss_type, level):
+    extra = {"epsilon_high": 5.0} if loss_type == "cispo" else {"epsilon_high": 0.28}
+    for seed in range(3):
+        check_parity(tmp_path, seed, loss_type=loss_type, importance_sampling_level=level, **extra)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_trl_delta_parity(tmp_path, loss_type):
+    policy_loss = check_parity(tmp_path, loss_type=loss_type, delta=1.5)
+    assert policy_loss.method.delta == 1.5
+
+
+@pytest.mark.parametrize("corrected", [True, False])
+@pytest.mark.parametrize("loss_type", ["dapo", "vespo", "sapo"])
+def test_trl_k3_kl_parity(tmp_path, loss_type, corrected):
+    check_parity(
+        tmp_path,
+        loss_type=loss_type,
+        beta=0.05,
+        use_bias_correction_kl=corrected,
+        trl_kwargs={"ref_logprobs": "ref"},
+        st_kwargs={"ref_logprobs": "ref"},
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "vespo"])
+def test_trl_off_policy_sequence_mask_parity(tmp_path, loss_type):
+    check_parity(
+        tmp_path,
+        loss_type=loss_type,
+        off_policy_mask_threshold=0.05,
+        trl_kwargs={"sampling_logprobs": "sampling"},
+        st_kwargs={"rollout_logprobs": "sampling"},
+    )
+
+
+def vllm_ratio(old, sampling, mask, mode, clip_max, clip_min=None):
+    """The vLLM IS ratio as TRL's rollout code prepares it (input construction, not the loss)."""
+    diff = (old - sampling) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = diff.exp()
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    return ratio.masked_fill((ratio < low) | (ratio > clip_max), 0.0)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "mode", "clip_min"),
+    [
+        ("dapo", "token_truncate", None),
+        ("dapo", "sequence_truncate", None),
+        ("grpo", "token_mask", 0.5),
+        ("dapo", "sequence_mask", 0.5),
+        ("vespo", "token_truncate", None),  # folded into W
+        ("vespo", "token_mask", 0.6),  # masked tokens floor W at 1e-8
+    ],
+)
+def test_trl_vllm_importance_correction_parity(tmp_path, loss_type, mode, clip_min):
+    _, old, sampling, _, _, mask = crafted(0)
+    ratio = vllm_ratio(old, sampling, mask, mode, clip_max=2.0, clip_min=clip_min)
+    policy_loss = check_parity(
+        tmp_path,
+        loss_type=loss_type,
+        trl_kwargs={"importance_sampling_ratio": ratio, "sampling_logprobs": "sampling"},
+        st_kwargs={"rollout_logprobs": "sampling"},
+        mapping_overrides={
+            "use_vllm": True,
+            "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": mode,
+            "vllm_importance_sampling_clip_max": 2.0,
+            "vllm_importance_sampling_clip_min": clip_min,
+        },
+    )
+    assert policy_loss.is_correction is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("with_is_ratio", [False, True])
+def test_vespo_phi_matches_trl_get_gamma_weights(seed, with_is_ratio):
+    logprobs, old, sampling, _, advantages, mask = crafted(seed, spread=0.6)
+    mask = mask.bool()
+    is_ratio = torch.clamp(torch.exp((old - sampling) * mask), max=2.0) if with_is_ratio else None
+    trl_phi = GRPOTrainer.get_gamma_weights(
+        advantages=advantages[:, None],
+        log_ratio_per_token=logprobs - old,
+        mask=mask.double(),
+        importance_sampling_ratio=is_ratio,
+    )
+    correction = st.TIS(cap=2.0) if with_is_ratio else None
+    loss_fn = st.PolicyLoss("vespo", correction=correction, aggregation="seq-mean-token-sum")
+    leaf = logprobs.clone().requires_grad_(True)
+    out = loss_fn(leaf, old, advantages, mask, rollout_logprobs=sampling if with_is_ratio else None)
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    # seq-mean-token-sum: ∂L/∂logp_it = -φ_i·A_i·m_it / B, and every row's first token is active.
+    st_phi = -(grad[:, 0] * B) / advantages
+    torch.testing.assert_close(st_phi, trl_phi[:, 0], rtol=1e-9, atol=1e-12)
+    assert out.metrics["phi/mean"] == pytest.approx(trl_phi.mean().item(), rel=1e-6)
+
+
+def test_trl_cispo_default_cap_below_one_is_refused():
+    config = types.SimpleNamespace(loss_type="cispo", epsilon=0.2, epsilon_high=None)
+    with pytest.raises(ValueError, match="epsilon_high=0.2"):
+        from_trl_config(config)
+
+
+def test_trl_entropy_masking_is_refused():
+    config = types.SimpleNamespace(loss_type="dapo", top_entropy_quantile=0.2)
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        from_trl_config(config)
