@@ -214,8 +214,8 @@ class PolicyLoss:
         def clean(x: torch.Tensor | None, detach: bool) -> torch.Tensor | None:
             if x is None:
                 return None
-            x = x.detach() if detach else x
-            return torch.where(mask, x.to(dtype), 0)  # masked inf/NaN never enter any arithmetic
+            x = x.detach().to(dtype) if detach else _upcast_saturating_grad(x, dtype)
+            return torch.where(mask, x, 0)  # masked inf/NaN never enter any arithmetic
 
         num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
         if advantages.dim() == 1:
@@ -231,6 +231,31 @@ class PolicyLoss:
             clean(ref_logprobs, detach=True),
             num_active,
         )
+
+
+class _UpcastSaturatingGrad(torch.autograd.Function):
+    """``x.to(dtype)`` whose backward saturates the gradient at the input dtype's largest finite value.
+
+    The math runs in float32, where a far off-policy ratio (up to e^20) gives a
+    large but finite gradient; cast back to a float16 input it would overflow to
+    inf. Saturating keeps the gradient finite and its sign intact.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.input_dtype = x.dtype
+        return x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        largest = torch.finfo(ctx.input_dtype).max
+        return grad.clamp(-largest, largest).to(ctx.input_dtype), None
+
+
+def _upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype == dtype or torch.finfo(x.dtype).max >= torch.finfo(dtype).max:
+        return x.to(dtype)
+    return _UpcastSaturatingGrad.apply(x, dtype)
 
 
 def _as_corrections(correction: object) -> tuple[Correction, ...]:

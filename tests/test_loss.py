@@ -1,0 +1,446 @@
+"""PolicyLoss composition: masking, micro-batch normalisers, corrections, KL, metrics, robustness, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+import softtrust as st
+
+from helpers import loss_and_grad, method_level_pairs, random_batch
+
+CORRECTIONS = [
+    None,
+    st.TIS(cap=2.0),
+    st.TIS(cap=1.5, level="sequence"),
+    st.MIS(),
+    st.MIS(level="token"),
+    st.OPSM(0.1),
+]
+
+
+# --- masked positions never matter -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("poison", [1e30, math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("correction", CORRECTIONS, ids=repr)
+@pytest.mark.parametrize(("method", "level"), method_level_pairs())
+def test_masked_positions_never_matter(method, level, correction, poison):
+    logprobs, old, _, mask = random_batch(seed=11)
+    gen = torch.Generator().manual_seed(12)
+    rollout = old + 0.2 * torch.randn(old.shape, generator=gen, dtype=old.dtype)
+    ref = logprobs + 0.1 * torch.randn(old.shape, generator=gen, dtype=old.dtype)
+    advantages = torch.randn(old.shape, generator=gen, dtype=old.dtype)  # per-token advantages, poisoned too
+    loss_fn = st.PolicyLoss(method, level=level, correction=correction, kl=st.KL(0.1))
+
+    def run(lp, o, ro, rf, adv):
+        return loss_and_grad(loss_fn, lp, o, adv, mask, rollout_logprobs=ro, ref_logprobs=rf)
+
+    loss, grad, metrics = run(logprobs, old, rollout, ref, advantages)
+    poisoned = [torch.where(mask, x, poison) for x in (logprobs, old, rollout, ref, advantages)]
+    loss_p, grad_p, metrics_p = run(*poisoned)
+    assert torch.isfinite(loss_p)
+    assert loss_p.item() == loss.item()
+    assert torch.equal(grad_p, grad)
+    assert torch.all(grad_p[~mask] == 0)
+    assert metrics_p == pytest.approx(metrics, nan_ok=True)
+
+
+# --- micro-batches with the global normaliser reproduce the whole batch ----------------------------
+
+
+@pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
+@pytest.mark.parametrize("method", ["clip", "gspo", "vespo", "sapo", "gmpo", "cispo"])
+def test_micro_batches_with_global_normaliser_reproduce_whole_batch(method, aggregation):
+    logprobs, old, advantages, mask = random_batch(batch=9, length=6, seed=13)
+    mask[4] = False  # a row with no active token inside a micro-batch
+    loss_fn = st.PolicyLoss(method, aggregation=aggregation, max_completion_length=6)
+    whole_loss, whole_grad, _ = loss_and_grad(loss_fn, logprobs, old, advantages, mask)
+    total, grads = 0.0, []
+    for rows in (slice(0, 2), slice(2, 7), slice(7, 9)):
+        loss, grad, _ = loss_and_grad(
+            loss_fn,
+            logprobs[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            num_tokens=mask.sum(),
+            num_sequences=mask.shape[0],
+        )
+        total += loss.item()
+        grads.append(grad)
+    assert total == pytest.approx(whole_loss.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=1e-12, atol=1e-14)
+
+
+def test_averaging_local_token_means_is_not_the_global_token_mean():
+    # The normaliser bug class the global count avoids: micro-batches of different sizes.
+    logprobs, old, advantages, mask = random_batch(batch=6, length=6, seed=14)
+    mask[:2, 1:] = False
+    loss_fn = st.PolicyLoss("reinforce")
+    whole = loss_fn(logprobs, old, advantages, mask).loss.item()
+    local = sum(
+        loss_fn(logprobs[r], old[r], advantages[r], mask[r]).loss.item() for r in (slice(0, 2), slice(2, 6))
+    )
+    assert local / 2 != pytest.approx(whole)
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"),
+    [
+        ("token-mean", lambda lm, m: lm.sum() / m.sum()),
+        ("token-sum", lambda lm, m: lm.sum()),
+        ("seq-mean-token-mean", lambda lm, m: (lm.sum(-1) / m.sum(-1)).mean()),
+        ("seq-mean-token-sum", lambda lm, m: lm.sum(-1).mean()),
+        ("seq-mean-token-sum-norm", lambda lm, m: lm.sum() / (m.shape[0] * m.shape[1])),
+    ],
+)
+def test_aggregation_closed_forms(aggregation, expected):
+    logprobs, _, advantages, mask = random_batch(seed=15)
+    out = st.PolicyLoss("reinforce", aggregation=aggregation)(logprobs, None, advantages, mask)
+    per_token = -advantages[:, None] * logprobs * mask
+    assert out.loss.item() == pytest.approx(expected(per_token, mask.double()).item(), rel=1e-12)
+
+
+# --- corrections -----------------------------------------------------------------------------------
+
+
+def test_tis_weight_multiplies_the_per_token_loss():
+    logprobs, old, advantages, mask = random_batch(seed=16)
+    rollout = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype)
+    base = st.PolicyLoss("reinforce", aggregation="token-sum")
+    _, grad_plain, _ = loss_and_grad(base, logprobs, old, advantages, mask)
+    corrected = st.PolicyLoss("reinforce", aggregation="token-sum", correction=st.TIS(cap=1.3))
+    _, grad, metrics = loss_and_grad(corrected, logprobs, old, advantages, mask, rollout_logprobs=rollout)
+    weight = torch.exp(old - rollout).clamp(max=1.3)
+    torch.testing.assert_close(grad, grad_plain * weight * mask)
+    assert metrics["is_weight/max"] <= 1.3 + 1e-6
+
+
+def test_sequence_mis_drops_sequences_outside_the_band():
+    logprobs, old, advantages, mask = random_batch(batch=3, length=4, seed=17, active=1.0)
+    rollout = old.clone()
+    rollout[0] += 0.5  # ρ = e^{-2} over 4 tokens: masked
+    rollout[1] -= 0.05  # ρ = e^{0.2}: kept with weight e^{0.2}
+    loss_fn = st.PolicyLoss("reinforce", aggregation="token-sum", correction=st.MIS(low=0.5, high=2.0))
+    _, grad, _ = loss_and_grad(loss_fn, logprobs, old, advantages, mask, rollout_logprobs=rollout)
+    expected = -advantages[:, None] * torch.tensor([[0.0], [math.exp(0.2)], [1.0]], dtype=old.dtype)
+    torch.testing.assert_close(grad, expected.expand_as(grad))
+
+
+def test_opsm_drops_only_negative_samples_that_drifted():
+    logprobs = torch.zeros(3, 2, dtype=torch.float64)
+    old = torch.tensor([[0.8, 0.8], [0.8, 0.8], [0.1, 0.1]], dtype=torch.float64)  # mean drift 0.8, 0.8, 0.1
+    advantages = torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    loss_fn = st.PolicyLoss("reinforce", aggregation="token-sum", correction=st.OPSM(delta=0.5))
+    _, grad, metrics = loss_and_grad(loss_fn, logprobs, old, advantages, mask)
+    assert grad[0].abs().sum() == 0
+    torch.testing.assert_close(grad[1:], -advantages[1:, None].expand(2, 2))
+    assert metrics["opsm/dropped"] == pytest.approx(1 / 3)  # counted per sequence
+
+
+def test_vespo_folds_the_correction_into_w():
+    logprobs, old, advantages, mask = random_batch(seed=18)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2), dtype=old.dtype)
+    loss_fn = st.PolicyLoss("vespo", correction=st.TIS(cap=1.2), aggregation="token-sum")
+    _, grad, _ = loss_and_grad(loss_fn, logprobs, old, advantages, mask, rollout_logprobs=rollout)
+    m = mask.double()
+    log_w = ((logprobs - old) * m).sum(-1) + ((old - rollout).clamp(max=math.log(1.2)) * m).sum(-1)
+    phi = st.VESPO().phi(log_w[:, None], advantages[:, None])
+    torch.testing.assert_close(grad, -(phi * advantages[:, None]) * m)
+
+
+def test_importance_correction_requires_rollout_logprobs():
+    logprobs, old, advantages, mask = random_batch()
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        st.PolicyLoss("clip", correction=st.TIS())(logprobs, old, advantages, mask)
+
+
+# --- KL --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("estimator", "formula"),
+    [
+        ("k1", lambda d: -d),
+        ("k2", lambda d: 0.5 * d**2),
+        ("k3", lambda d: math.exp(d) - d - 1),
+    ],
+)
+def test_kl_estimators_closed_form(estimator, formula):
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -0.1, -2.0]], dtype=torch.float64)
+    values = st.kl_estimate(logprobs, ref, estimator)
+    expected = [formula(r - lp) for lp, r in zip(logprobs[0].tolist(), ref[0].tolist(), strict=True)]
+    assert values[0].tolist() == pytest.approx(expected, abs=1e-14)
+
+
+def test_kl_term_adds_coef_times_k3_and_its_gradient():
+    logprobs, _, advantages, mask = random_batch(seed=19)
+    ref = logprobs + 0.4
+    base = st.PolicyLoss("reinforce", aggregation="token-sum")
+    with_kl = st.PolicyLoss("reinforce", aggregation="token-sum", kl=st.KL(coef=0.3))
+    loss0, grad0, _ = loss_and_grad(base, logprobs, None, advantages, mask)
+    loss1, grad1, metrics = loss_and_grad(with_kl, logprobs, None, advantages, mask, ref_logprobs=ref)
+    k3 = math.exp(0.4) - 0.4 - 1
+    assert (loss1 - loss0).item() == pytest.approx(0.3 * k3 * mask.sum().item())
+    torch.testing.assert_close(
+        grad1 - grad0, 0.3 * (1 - math.exp(0.4)) * mask.double()
+    )  # dk3/dlogp = 1 - e^d
+    assert metrics["kl"] == pytest.approx(k3, rel=1e-6)
+
+
+def test_kl_k3_never_overflows():
+    logprobs = torch.tensor([[-1e4, 0.0]])
+    ref = torch.tensor([[0.0, -1e4]])
+    assert torch.isfinite(st.kl_estimate(logprobs, ref, "k3")).all()
+
+
+def test_importance_corrected_kl_multiplies_by_token_ratio():
+    logprobs, old, advantages, mask = random_batch(seed=20)
+    ref = logprobs - 0.3
+    plain = st.PolicyLoss("reinforce", aggregation="token-sum", kl=st.KL(1.0))
+    corrected = st.PolicyLoss("reinforce", aggregation="token-sum", kl=st.KL(1.0, importance_corrected=True))
+    policy = st.PolicyLoss("reinforce", aggregation="token-sum")(logprobs, old, advantages, mask).loss
+    kl_plain = plain(logprobs, old, advantages, mask, ref_logprobs=ref).loss - policy
+    kl_corrected = corrected(logprobs, old, advantages, mask, ref_logprobs=ref).loss - policy
+    k3 = math.exp(-0.3) + 0.3 - 1
+    assert kl_plain.item() == pytest.approx(k3 * mask.sum().item())
+    assert kl_corrected.item() == pytest.approx((k3 * torch.exp(logprobs - old) * mask).sum().item())
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+
+def test_clip_fractions_count_the_tokens_whose_gradient_is_zeroed():
+    logprobs = torch.zeros(2, 3, dtype=torch.float64)
+    ratios = torch.tensor([[1.5, 1.0, 0.5], [1.5, 1.0, 0.5]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    metrics = st.PolicyLoss("clip")(logprobs, -ratios.log(), advantages, mask).metrics
+    assert metrics["clip/high"] == pytest.approx(1 / 6)  # r = 1.5 with A > 0
+    assert metrics["clip/low"] == pytest.approx(1 / 6)  # r = 0.5 with A < 0
+    assert metrics["ratio/max"] == pytest.approx(1.5)
+    assert metrics["ratio/min"] == pytest.approx(0.5)
+
+
+def test_ess_is_one_for_equal_weights_and_one_over_n_for_a_single_dominant_weight():
+    logprobs = torch.zeros(4, 2, dtype=torch.float64)
+    advantages = torch.ones(4, dtype=torch.float64)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    equal = st.PolicyLoss("vespo")(logprobs, logprobs - 0.1, advantages, mask).metrics
+    assert equal["ess"] == pytest.approx(1.0)
+    old = torch.zeros(4, 2, dtype=torch.float64)
+    old[0] = -15.0  # W_0 = e^30 dominates
+    dominated = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metrics
+    assert dominated["ess"] == pytest.approx(0.25, rel=1e-6)
+    assert dominated["seq_log_weight/max"] == pytest.approx(30.0)
+
+
+# --- robustness (property tests) -------------------------------------------------------------------
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pair=hs.sampled_from(method_level_pairs()),
+    aggregation=hs.sampled_from(st.AGGREGATIONS),
+    dtype=hs.sampled_from(DTYPES),
+    batch=hs.integers(1, 4),
+    length=hs.integers(1, 5),
+    log_ratio_scale=hs.sampled_from([0.0, 1.0, 50.0, 1e4]),
+    empty_rows=hs.sampled_from(["none", "some", "all"]),
+    seed=hs.integers(0, 2**16),
+)
+def test_property_loss_and_gradient_are_finite(
+    pair, aggregation, dtype, batch, length, log_ratio_scale, empty_rows, seed
+):
+    method, level = pair
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = (-3 * torch.rand(batch, length, generator=gen)).to(dtype)
+    old = (logprobs.float() - log_ratio_scale * torch.randn(batch, length, generator=gen)).to(dtype)
+    advantages = torch.randn(batch, generator=gen).to(dtype)
+    mask = torch.rand(batch, length, generator=gen) < 0.7
+    if empty_rows == "some":
+        mask[0] = False
+    elif empty_rows == "all":
+        mask[:] = False
+    leaf = logprobs.clone().requires_grad_(True)
+    out = st.PolicyLoss(method, level=level, aggregation=aggregation)(leaf, old, advantages, mask)
+    (grad,) = torch.autograd.grad(out.loss, leaf)
+    assert out.loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.isfinite(out.loss)
+    assert torch.isfinite(grad.float()).all()
+    assert torch.all(grad[~mask] == 0)
+    if empty_rows == "all":
+        assert out.loss.item() == 0.0
+        assert torch.all(grad == 0)
+
+
+@pytest.mark.parametrize(("method", "level"), method_level_pairs())
+def test_batch_with_no_active_token_gives_zero_loss_and_gradient(method, level):
+    logprobs, old, advantages, mask = random_batch(seed=21)
+    mask[:] = False
+    for aggregation in st.AGGREGATIONS:
+        loss, grad, _ = loss_and_grad(
+            st.PolicyLoss(method, level=level, aggregation=aggregation), logprobs, old, advantages, mask
+        )
+        assert loss.item() == 0.0
+        assert torch.all(grad == 0)
+
+
+def test_empty_row_contributes_nothing():
+    logprobs, old, advantages, mask = random_batch(seed=22)
+    loss_fn = st.PolicyLoss("gspo", aggregation="token-mean")
+    with_row, _, _ = loss_and_grad(loss_fn, logprobs, old, advantages, mask)
+    mask_extra = torch.cat([mask, torch.zeros(1, mask.shape[1], dtype=torch.bool)])
+    extended = [torch.cat([x, x[:1]]) for x in (logprobs, old)]
+    loss, grad, _ = loss_and_grad(
+        loss_fn, extended[0], extended[1], torch.cat([advantages, advantages[:1]]), mask_extra
+    )
+    assert loss.item() == pytest.approx(with_row.item())
+    assert torch.all(grad[-1] == 0)
+
+
+# --- bad input fails fast, naming the argument -----------------------------------------------------
+
+
+def good_inputs():
+    logprobs, old, advantages, mask = random_batch(batch=2, length=3, dtype=torch.float32)
+    return logprobs, old, advantages, mask
+
+
+def test_error_mismatched_old_logprobs_shape():
+    logprobs, _, advantages, mask = good_inputs()
+    with pytest.raises(ValueError, match=r"old_logprobs must have shape .*\(2, 3\).*got \(2, 4\)"):
+        st.PolicyLoss("clip")(logprobs, torch.zeros(2, 4), advantages, mask)
+
+
+def test_error_mismatched_mask_shape():
+    logprobs, old, advantages, _ = good_inputs()
+    with pytest.raises(ValueError, match=r"mask must have shape .*got \(3, 2\)"):
+        st.PolicyLoss("clip")(logprobs, old, advantages, torch.ones(3, 2, dtype=torch.bool))
+
+
+def test_error_integer_logprobs():
+    _, old, advantages, mask = good_inputs()
+    with pytest.raises(ValueError, match=r"logprobs must be a floating-point tensor.*torch.int64"):
+        st.PolicyLoss("clip")(torch.zeros(2, 3, dtype=torch.long), old, advantages, mask)
+
+
+def test_error_integer_old_logprobs():
+    logprobs, _, advantages, mask = good_inputs()
+    with pytest.raises(ValueError, match=r"old_logprobs must be a floating-point tensor"):
+        st.PolicyLoss("clip")(logprobs, torch.zeros(2, 3, dtype=torch.int32), advantages, mask)
+
+
+def test_error_mask_not_binary():
+    logprobs, old, advantages, _ = good_inputs()
+    with pytest.raises(ValueError, match=r"mask must be bool or contain only 0 and 1, got a value 2"):
+        st.PolicyLoss("clip")(logprobs, old, advantages, torch.full((2, 3), 2.0))
+
+
+def test_error_advantages_wrong_shape():
+    logprobs, old, _, mask = good_inputs()
+    with pytest.raises(
+        ValueError, match=r"advantages must have shape \(B,\) = \(2,\) or \(B, T\) = \(2, 3\), got \(3,\)"
+    ):
+        st.PolicyLoss("clip")(logprobs, old, torch.zeros(3), mask)
+
+
+def test_error_logprobs_not_2d():
+    _, old, advantages, mask = good_inputs()
+    with pytest.raises(ValueError, match=r"logprobs must have shape \(B, T\), got \(6,\)"):
+        st.PolicyLoss("clip")(torch.zeros(6), old, advantages, mask)
+
+
+@pytest.mark.parametrize(
+    ("method", "level"),
+    [("vespo", "token"), ("clip", "sequence-sum"), ("gmpo", "token"), ("sapo", "sequence-sum")],
+)
+def test_error_level_the_method_does_not_support(method, level):
+    with pytest.raises(ValueError, match=rf"level='{level}' is not supported by method '{method}'"):
+        st.PolicyLoss(method, level=level)
+
+
+def test_error_unknown_level():
+    with pytest.raises(ValueError, match=r"level must be one of .*got 'sequence'"):
+        st.PolicyLoss("clip", level="sequence")
+
+
+def test_error_unknown_aggregation():
+    with pytest.raises(ValueError, match=r"aggregation must be one of .*got 'mean'"):
+        st.PolicyLoss("clip", aggregation="mean")
+
+
+def test_error_unknown_method_name():
+    with pytest.raises(ValueError, match=r"method must be one of .*got 'ppo'"):
+        st.PolicyLoss("ppo")
+
+
+def test_error_unknown_method_parameter():
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['tau'\] for method 'sapo'"):
+        st.PolicyLoss("sapo", tau=1.0)
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: st.Clip(eps_low=-0.1), r"eps_low must be >= 0.0, got -0.1"),
+        (lambda: st.Clip(eps_high=-0.2), r"eps_high must be >= 0.0, got -0.2"),
+        (lambda: st.Clip(dual_clip=0.5), r"dual_clip must be > 1.0, got 0.5"),
+        (lambda: st.Clip(delta=1.0), r"delta must be > 1.0, got 1.0"),
+        (lambda: st.GSPO(eps_low=-3e-4), r"eps_low must be >= 0.0"),
+        (lambda: st.SAPO(tau_pos=0.0), r"tau_pos must be > 0.0, got 0.0"),
+        (lambda: st.SAPO(tau_neg=-1.0), r"tau_neg must be > 0.0, got -1.0"),
+        (lambda: st.PSPO(alpha=1.5), r"alpha must be <= 1.0, got 1.5"),
+        (lambda: st.PSPO(alpha=-0.1), r"alpha must be >= 0.0, got -0.1"),
+        (lambda: st.VESPO(lambda_pos=0.0), r"lambda_pos must be > 0.0, got 0.0"),
+        (lambda: st.VESPO(lambda_neg=-2.0), r"lambda_neg must be > 0.0, got -2.0"),
+        (lambda: st.VESPO(k_pos=-1.0), r"k_pos must be >= 0.0, got -1.0"),
+        (lambda: st.VESPO(k_neg=-3.0), r"k_neg must be >= 0.0, got -3.0"),
+        (lambda: st.CISPO(ratio_high=0.5), r"ratio_high must be >= 1.0, got 0.5"),
+        (lambda: st.CFPO(eps=0.0), r"eps must be > 0.0, got 0.0"),
+        (lambda: st.GMPO(eps=-0.4), r"eps must be > 0.0, got -0.4"),
+        (lambda: st.MIS(low=2.0, high=2.0), r"MIS needs low < high, got low=2.0, high=2.0"),
+        (lambda: st.MIS(low=3.0, high=2.0), r"MIS needs low < high, got low=3.0, high=2.0"),
+        (lambda: st.TIS(cap=0.0), r"cap must be > 0.0, got 0.0"),
+        (lambda: st.TIS(level="batch"), r"level must be one of \['token', 'sequence'\], got 'batch'"),
+        (lambda: st.OPSM(delta=-0.5), r"delta must be >= 0.0, got -0.5"),
+        (lambda: st.KL(coef=-0.1), r"coef must be >= 0.0, got -0.1"),
+        (lambda: st.KL(coef=0.1, estimator="k4"), r"estimator must be one of .*got 'k4'"),
+        (lambda: st.Clip(eps_low=float("nan")), r"eps_low must be a finite number, got nan"),
+    ],
+)
+def test_error_invalid_hyperparameter(factory, message):
+    with pytest.raises(ValueError, match=message):
+        factory()
+
+
+def test_error_two_importance_corrections():
+    with pytest.raises(ValueError, match="at most one importance correction"):
+        st.PolicyLoss("clip", correction=[st.TIS(), st.MIS()])
+
+
+def test_error_kl_without_ref_logprobs():
+    logprobs, old, advantages, mask = good_inputs()
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        st.PolicyLoss("clip", kl=st.KL(0.1))(logprobs, old, advantages, mask)
+
+
+def test_float16_gradient_saturates_instead_of_overflowing():
+    # r = e^15 with A < 0 on the unclipped branch: dℓ/dlogp = -r·A ≈ 3.3e6 > float16 max 65504.
+    logprobs = torch.zeros(1, 1, dtype=torch.float16, requires_grad=True)
+    old = torch.full((1, 1), -15.0, dtype=torch.float16)
+    out = st.PolicyLoss("clip", aggregation="token-sum")(
+        logprobs, old, torch.tensor([-1.0]), torch.ones(1, 1)
+    )
+    (grad,) = torch.autograd.grad(out.loss, logprobs)
+    assert grad.dtype == torch.float16
+    assert grad.item() == torch.finfo(torch.float16).max
