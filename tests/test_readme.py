@@ -1,0 +1,37 @@
+"""The README's quickstart runs as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def quickstart_code() -> str:
+    text = README.read_text()
+    section = text.split("## Quickstart", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    assert match, "README's Quickstart has no python block"
+    return match.group(1)
+
+
+def test_readme_quickstart_runs_as_written(capsys):
+    namespace: dict = {}
+    exec(compile(quickstart_code(), str(README), "exec"), namespace)
+    out = namespace["out"]
+    assert out.loss.dim() == 0
+    assert namespace["logprobs"].grad is not None
+    assert namespace["logprobs"].grad.abs().sum() > 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1] == str(
+        sorted(["clip", "gspo", "cispo", "sapo", "pspo", "vespo", "cfpo", "gmpo", "reinforce"])
+    )
+
+
+def test_readme_states_the_two_commands_and_ci_runs_the_test_one():
+    text = README.read_text()
+    assert "bash scripts/train.sh" in text
+    assert "bash scripts/test.sh" in text
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci
