@@ -4,7 +4,7 @@ The public API, re-exported names only. See DESIGN.md / docs/ for the architectu
 """
 
 from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
-from softtrust.aggregation import AGGREGATIONS, aggregate
+from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import MIS, OPSM, TIS
 from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
 from softtrust.loss import LossOutput, PolicyLoss
@@ -19,6 +19,7 @@ from softtrust.methods import (
     SAPO,
     VESPO,
     Clip,
+    DetachedWeightMethod,
     Method,
     MethodInputs,
     MethodOutput,
@@ -48,12 +49,14 @@ __all__ = [
     "TIS",
     "VESPO",
     "Clip",
+    "DetachedWeightMethod",
     "LossOutput",
     "Method",
     "MethodInputs",
     "MethodOutput",
     "PolicyLoss",
     "aggregate",
+    "aggregation_weights",
     "group_advantages",
     "kl_estimate",
     "make_method",

@@ -53,18 +53,29 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], meaning: 
         raise ValueError(f"{name} must have shape {meaning} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
-def as_bool_mask(name: str, mask: object, shape: tuple[int, ...]) -> torch.Tensor:
-    """Return ``mask`` as a bool tensor of ``shape``; raise unless it is bool or holds only 0 and 1."""
+def as_float_mask(name: str, mask: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return ``mask`` as a 0.0/1.0 tensor of ``dtype``; raise unless it is bool or holds only 0 and 1.
+
+    A bool mask is converted through ``uint8``, which is many times faster than a
+    direct bool -> float conversion on CPU.
+    """
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     check_shape(name, mask, shape, "(B, T)")
     if mask.dtype == torch.bool:
-        return mask
-    is_binary = bool(((mask == 0) | (mask == 1)).all())  # also False for NaN entries
-    if not is_binary:
+        return mask.contiguous().view(torch.uint8).to(dtype)
+    values = mask.to(dtype)
+    if not torch.equal(values * values, values):  # v² = v exactly for 0 and 1 only (NaN ≠ NaN)
         bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
         raise ValueError(f"{name} must be bool or contain only 0 and 1, got a value {bad!r}")
-    return mask != 0
+    return values
+
+
+def as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, through ``uint8`` for a bool tensor (much faster on CPU)."""
+    if x.dtype == torch.bool:
+        return x.contiguous().view(torch.uint8).to(dtype)
+    return x.to(dtype)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -33,6 +33,45 @@ AGGREGATIONS = (
 )
 
 
+def aggregation_weights(
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float | torch.Tensor | None = None,
+    num_sequences: float | torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_active: torch.Tensor | None = None,
+) -> torch.Tensor | float:
+    """The weight ``c`` with ``aggregate(ℓ) = Σ_t m_t·ℓ_t·c``: a scalar or a [B, 1] per-row weight.
+
+    | mode                        | c                       |
+    | --------------------------- | ----------------------- |
+    | ``token-mean``              | ``1 / N_tokens``        |
+    | ``token-sum``               | ``1``                   |
+    | ``seq-mean-token-mean``     | ``1 / (n_i · N_seq)``   |
+    | ``seq-mean-token-sum``      | ``1 / N_seq``           |
+    | ``seq-mean-token-sum-norm`` | ``1 / (N_seq · T_max)`` |
+
+    Every count is clamped to at least 1, so nothing active means loss 0, not 0/0.
+    Arguments as in :func:`aggregate`.
+    """
+    check_choice("aggregation", mode, AGGREGATIONS)
+    dtype = mask.dtype if mask.is_floating_point() else torch.float32
+    if mode == "token-sum":
+        return 1.0
+    if mode == "token-mean":
+        return 1.0 / _at_least_one(mask.sum() if num_tokens is None else num_tokens, dtype)
+    num_sequences = _at_least_one(mask.shape[0] if num_sequences is None else num_sequences, dtype)
+    if mode == "seq-mean-token-mean":
+        if num_active is None:
+            num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
+        return 1.0 / (num_active.clamp(min=1) * num_sequences)  # [B, 1]
+    if mode == "seq-mean-token-sum":
+        return 1.0 / num_sequences
+    length = mask.shape[-1] if max_completion_length is None else max_completion_length
+    return 1.0 / (num_sequences * length)
+
+
 def aggregate(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
@@ -43,13 +82,13 @@ def aggregate(
     max_completion_length: int | None = None,
     num_active: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss into a scalar.
+    """Aggregate a per-token loss into a scalar: ``Σ_t m_t·ℓ_t·c`` with ``c`` from :func:`aggregation_weights`.
 
     Args:
         per_token_loss: broadcastable to [B, T] (a [B, 1] sequence-level loss counts
-            once per active token of its row). Values at masked positions are ignored
-            even if non-finite.
-        mask: [B, T] bool.
+            once per active token of its row); finite at masked positions (PolicyLoss
+            guarantees it by zeroing masked inputs first).
+        mask: [B, T] bool or 0/1 float mask.
         mode: one of :data:`AGGREGATIONS`.
         num_tokens: global active-token count for ``token-mean`` (default ``Σ m``).
         num_sequences: global sequence count for the ``seq-mean-*`` modes (default B).
@@ -61,27 +100,22 @@ def aggregate(
     Returns:
         Scalar tensor. Zero (with zero gradient) when nothing is active.
     """
-    check_choice("aggregation", mode, AGGREGATIONS)
-    masked = torch.where(mask, per_token_loss, 0)  # [B, T]; `where`: masked inf/NaN never count
-    if mode == "token-sum":
-        return masked.sum()
-    if mode == "token-mean":
-        denominator = mask.sum() if num_tokens is None else num_tokens
-        return masked.sum() / _at_least_one(denominator)
-    num_sequences = mask.shape[0] if num_sequences is None else num_sequences
-    if mode == "seq-mean-token-mean":
-        if num_active is None:
-            num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
-        per_sequence = masked.sum(dim=-1, keepdim=True) / num_active.clamp(min=1)  # [B, 1]
-        return per_sequence.sum() / _at_least_one(num_sequences)
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / _at_least_one(num_sequences)
-    length = mask.shape[-1] if max_completion_length is None else max_completion_length
-    return masked.sum() / (_at_least_one(num_sequences) * length)
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8).to(per_token_loss.dtype)  # via uint8: much faster than bool -> float on CPU
+    weight = aggregation_weights(
+        mask,
+        mode,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        max_completion_length=max_completion_length,
+        num_active=num_active,
+    )
+    per_row = (per_token_loss * mask).sum(dim=-1, keepdim=True)  # [B, 1]
+    return (per_row * weight).sum()
 
 
-def _at_least_one(count: float | torch.Tensor) -> float | torch.Tensor:
-    """max(count, 1): an empty batch gives loss 0 instead of 0/0."""
+def _at_least_one(count: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
+    """max(count, 1) (a tensor count in ``dtype``): an empty batch gives loss 0 instead of 0/0."""
     if isinstance(count, torch.Tensor):
-        return count.clamp(min=1)
+        return count.to(dtype).clamp(min=1)
     return max(count, 1)

@@ -38,8 +38,12 @@ def rollout_log_ratio(
     level: str,
     clamp: float = DEFAULT_LOG_RATIO_CLAMP,
 ) -> torch.Tensor:
-    """``log ρ``: [B, T] (token, 0 at masked) or [B, 1] (sequence: Σ_t m·log ρ_t), clamped, detached."""
-    log_rho = torch.where(mask, (old_logprobs - rollout_logprobs).clamp(-clamp, clamp), 0).detach()  # [B, T]
+    """``log ρ``: [B, T] (token) or [B, 1] (sequence: Σ_t m·log ρ_t), clamped, detached.
+
+    Both inputs are 0 at masked positions (PolicyLoss zeroes them), so ``log ρ`` is 0 there.
+    """
+    del mask  # masked positions are already 0 - 0
+    log_rho = (old_logprobs - rollout_logprobs).clamp(-clamp, clamp).detach()  # [B, T]
     if level == "token":
         return log_rho
     return log_rho.sum(dim=-1, keepdim=True).clamp(-clamp, clamp)  # [B, 1]
@@ -136,7 +140,7 @@ class OPSM:
         mask: torch.Tensor,
         num_active: torch.Tensor,
     ) -> torch.Tensor:
-        """Bool, broadcastable to [B, T]: True where the sample is kept."""
+        """Bool, broadcastable to [B, T]: True where the sample is kept (``mask``: 0/1 float)."""
         drift = masked_sequence_sum(sampler_logprobs - logprobs.detach(), mask)  # [B, 1]
         mean_drift = drift / num_active.clamp(min=1)  # [B, 1]
         return (advantages >= 0) | (mean_drift <= self.delta)
@@ -165,7 +169,7 @@ def fold_log_weight(
         log_ratio: [B, 1] sequence-level log-ratio (differentiable).
         log_weight: [B, T] (token correction) or [B, 1] (sequence correction), detached.
         correction_level: ``"token"`` or ``"sequence"``, the correction's level.
-        mask: [B, T] bool.
+        mask: [B, T] 0/1 float mask.
         level: the method's level, ``"sequence-sum"`` or ``"sequence-mean"``.
         num_active: [B, 1] active tokens per row.
     """

@@ -14,21 +14,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from softtrust._validation import (
-    as_bool_mask,
+    as_float,
+    as_float_mask,
     check_choice,
     check_float_tensor,
     check_number,
     check_shape,
     compute_dtype,
 )
-from softtrust.aggregation import AGGREGATIONS, aggregate
+from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
 from softtrust.kl import KL, kl_estimate
-from softtrust.methods import Method, MethodInputs, make_method
+from softtrust.methods import DetachedWeightMethod, Method, MethodInputs, make_method
 from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, LEVELS, level_log_ratio, token_log_ratio
 
 
@@ -61,6 +63,9 @@ class PolicyLoss:
         log_ratio_clamp: bound on every log-ratio before ``exp`` (default 20).
         max_completion_length: ``T_max`` for ``seq-mean-token-sum-norm`` (default: the batch's T).
         compute_metrics: set False to skip the metrics (saves a few reductions).
+        fused: evaluate REINFORCE-style methods (VESPO, CISPO, REINFORCE) without a KL
+            term through one fused contraction (same value and gradient, fewer passes);
+            False always takes the plain elementwise path.
         **method_params: parameters for a method given by name (or overrides for an instance).
 
     Raises:
@@ -78,6 +83,7 @@ class PolicyLoss:
         log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP,
         max_completion_length: int | None = None,
         compute_metrics: bool = True,
+        fused: bool = True,
         **method_params: object,
     ) -> None:
         self.method = make_method(method, **method_params)
@@ -102,6 +108,7 @@ class PolicyLoss:
             check_number("max_completion_length", max_completion_length, low=1)
         self.max_completion_length = max_completion_length
         self.compute_metrics = compute_metrics
+        self.fused = fused
 
     def __repr__(self) -> str:
         return (
@@ -135,35 +142,38 @@ class PolicyLoss:
         Returns:
             :class:`LossOutput`. The math runs in float32 (float64 stays float64).
         """
-        batch = self._prepare(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs)
-        logprobs, old, advantages, mask, rollout, ref, num_active = batch
-        method, clamp = self.method, self.log_ratio_clamp
+        batch = self._check(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs)
+        normalisers = {"num_tokens": num_tokens, "num_sequences": num_sequences}
+        if self.fused and isinstance(self.method, DetachedWeightMethod) and self.kl is None:
+            out = self._fused_loss(batch, normalisers)
+            if out is not None:
+                return out
+        zero_masked = _mask_multiply if _all_finite(batch) else _mask_where
+        return self._reference_loss(_zero_masked_positions(batch, zero_masked), normalisers)
 
-        tok_log_ratio = token_log_ratio(logprobs, old, mask, clamp)  # [B, T]
+    def _reference_loss(self, batch: _Batch, normalisers: dict) -> LossOutput:
+        """Every step as a plain elementwise tensor expression (the readable path; any method).
+
+        ``batch`` holds inputs already zeroed at masked positions.
+        """
+        method, clamp, mask, num_active = self.method, self.log_ratio_clamp, batch.mask, batch.num_active
+        tok_log_ratio = token_log_ratio(batch.logprobs, batch.old, mask, clamp)  # [B, T]
         log_ratio = level_log_ratio(tok_log_ratio, mask, self.level, clamp, num_active)  # [B, T] or [B, 1]
+        log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
 
-        is_log_weight = None
-        if self.is_correction is not None:
-            log_rho = rollout_log_ratio(old, rollout, mask, self.is_correction.level, clamp)
-            is_log_weight = self.is_correction.log_weight(log_rho)  # [B, T] or [B, 1], detached
-        if is_log_weight is not None and method.folds_correction:
-            log_ratio = fold_log_weight(
-                log_ratio, is_log_weight, self.is_correction.level, mask, self.level, num_active
-            )
-
-        inputs = MethodInputs(logprobs, log_ratio, tok_log_ratio, advantages, mask, num_active)
+        inputs = MethodInputs(
+            batch.logprobs, log_ratio, tok_log_ratio, batch.advantages, mask, num_active, self.compute_metrics
+        )
         per_token_loss, stats = method.loss(inputs)  # broadcastable to [B, T]
-
         if is_log_weight is not None and not method.folds_correction:
             per_token_loss = per_token_loss * torch.exp(is_log_weight)  # weight in [0, ∞), finite
-        if self.opsm is not None:
-            sampler = old if rollout is None else rollout
-            keep = self.opsm.keep(logprobs, sampler, advantages, mask, num_active)  # [B, 1] or [B, T]
-            per_token_loss = torch.where(keep, per_token_loss, 0)
+        keep = self._opsm_keep(batch)
+        if keep is not None:
+            per_token_loss = per_token_loss * as_float(keep, per_token_loss.dtype)
             stats = {**stats, "opsm/dropped": ~keep}
         per_token_kl = None
         if self.kl is not None:
-            per_token_kl = kl_estimate(logprobs, ref, self.kl.estimator, clamp)  # [B, T]
+            per_token_kl = kl_estimate(batch.logprobs, batch.ref, self.kl.estimator, clamp)  # [B, T]
             if self.kl.importance_corrected:
                 per_token_kl = per_token_kl * torch.exp(tok_log_ratio)
             per_token_loss = per_token_loss + self.kl.coef * per_token_kl
@@ -172,24 +182,113 @@ class PolicyLoss:
             per_token_loss,
             mask,
             self.aggregation,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
             max_completion_length=self.max_completion_length,
             num_active=num_active,
+            **normalisers,
         )
-        metrics = {}
-        if self.compute_metrics:
-            metrics = _metrics(log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, mask, num_active)
+        seq_log_weight = tok_log_ratio.detach().sum(dim=-1, keepdim=True) if self.compute_metrics else None
+        metrics = self._metrics(log_ratio, seq_log_weight, is_log_weight, per_token_kl, stats, batch)
         return LossOutput(loss, metrics)
 
-    def _prepare(self, logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs):
-        """Check every input, cast to the compute dtype, and zero every masked position."""
+    def _fused_loss(self, batch: _Batch, normalisers: dict) -> LossOutput | None:
+        """REINFORCE-style methods (``ℓ = -sg(w)·A·logp``) in one fused contraction.
+
+        The loss is linear in ``logp``: ``L = Σ_t m_t·c_t·logp_t`` with the detached
+        coefficient ``c = -w·A·(IS weight)·(OPSM keep)·(aggregation weight)``, [B, 1]
+        when advantages are per sequence. Everything but the contraction runs without
+        autograd; the backward is a single multiply, ``∂L/∂logp = m·c``.
+
+        Inputs are used raw (not zeroed at masked positions), which is exact when they
+        are finite everywhere. One sum of ``logp - old`` (non-finite as soon as either
+        holds an inf or NaN anywhere) and of the other dense inputs checks that; if
+        not, this returns None and the call takes the reference path, which zeroes
+        masked entries with ``where``. Equal to :meth:`_reference_loss` in value and
+        gradient (tests check it for every method, level, aggregation and correction).
+        """
+        method, clamp, mask, num_active = self.method, self.log_ratio_clamp, batch.mask, batch.num_active
+        with torch.no_grad():
+            tok_log_ratio = batch.logprobs.detach() - batch.old  # [B, T], unmasked
+            others = [x for x in (batch.rollout, batch.advantages) if x is not None and x.shape[-1] != 1]
+            if not _finite_sums([tok_log_ratio, *others]):
+                return None
+            tok_log_ratio = tok_log_ratio.clamp_(-clamp, clamp)
+            seq_log_weight = None
+            if self.level == "token":
+                log_ratio = tok_log_ratio
+            else:
+                seq_log_weight = torch.linalg.vecdot(tok_log_ratio, mask).unsqueeze(
+                    -1
+                )  # [B, 1]: Σ_t m·log r_t
+                if self.level == "sequence-sum":
+                    log_ratio = seq_log_weight.clamp(-clamp, clamp)
+                else:
+                    log_ratio = seq_log_weight / num_active.clamp(min=1)
+            log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
+            weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
+            coef = -(weight * batch.advantages)  # [B, 1] or [B, T]
+            if is_log_weight is not None and not method.folds_correction:
+                coef = coef * torch.exp(is_log_weight)
+            keep = self._opsm_keep(batch)
+            if keep is not None:
+                coef = coef * as_float(keep, coef.dtype)
+                stats = {**stats, "opsm/dropped": ~keep}
+            agg_weight = aggregation_weights(
+                mask,
+                self.aggregation,
+                max_completion_length=self.max_completion_length,
+                num_active=num_active,
+                **normalisers,
+            )
+            coef = (coef * agg_weight).expand(mask.shape[0], -1)  # [B, 1] or [B, T]
+        loss = _LinearInLogprobs.apply(batch.raw_logprobs, coef, mask)
+        metrics = {}
+        if self.compute_metrics:
+            if seq_log_weight is None:
+                seq_log_weight = torch.linalg.vecdot(tok_log_ratio, mask).unsqueeze(-1)
+            metrics = self._metrics(log_ratio, seq_log_weight, is_log_weight, None, stats, batch)
+        return LossOutput(loss, metrics)
+
+    def _apply_folded_correction(self, batch: _Batch, log_ratio: torch.Tensor):
+        """The IS correction's log-weight, folded into ``log_ratio`` for methods that fold it (VESPO)."""
+        correction = self.is_correction
+        if correction is None:
+            return log_ratio, None
+        old, rollout = batch.old, batch.rollout
+        if (
+            not batch.zeroed
+        ):  # the fused path keeps raw inputs; the log-weight wants zeros at masked positions
+            old, rollout = old * batch.mask, rollout * batch.mask
+        log_rho = rollout_log_ratio(old, rollout, batch.mask, correction.level, self.log_ratio_clamp)
+        is_log_weight = correction.log_weight(log_rho)  # [B, T] or [B, 1], detached
+        if self.method.folds_correction:
+            log_ratio = fold_log_weight(
+                log_ratio, is_log_weight, correction.level, batch.mask, self.level, batch.num_active
+            )
+        return log_ratio, is_log_weight
+
+    def _opsm_keep(self, batch: _Batch) -> torch.Tensor | None:
+        if self.opsm is None:
+            return None
+        sampler = batch.old if batch.rollout is None else batch.rollout
+        return self.opsm.keep(batch.logprobs, sampler, batch.advantages, batch.mask, batch.num_active)
+
+    def _metrics(
+        self, log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, batch
+    ) -> dict[str, float]:
+        if not self.compute_metrics:
+            return {}
+        return _metrics(
+            log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, batch.mask, batch.num_active
+        )
+
+    def _check(self, logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs) -> _Batch:
+        """Check every input and cast it to the compute dtype (float32, or float64 for float64 input)."""
         check_float_tensor("logprobs", logprobs)
         if logprobs.dim() != 2:
             raise ValueError(f"logprobs must have shape (B, T), got {tuple(logprobs.shape)}")
         shape = tuple(logprobs.shape)
-        mask = as_bool_mask("mask", mask, shape)
         dtype = compute_dtype(logprobs)
+        mask = as_float_mask("mask", mask, shape, dtype)
         if old_logprobs is None:
             old_logprobs = logprobs.detach()
         named = {
@@ -209,28 +308,107 @@ class PolicyLoss:
             raise ValueError(
                 f"kl={self.kl!r} needs ref_logprobs (the reference policy's log-probs), got None"
             )
-        advantages = _check_advantages(advantages, shape)
-
-        def clean(x: torch.Tensor | None, detach: bool) -> torch.Tensor | None:
-            if x is None:
-                return None
-            x = x.detach().to(dtype) if detach else _upcast_saturating_grad(x, dtype)
-            return torch.where(mask, x, 0)  # masked inf/NaN never enter any arithmetic
-
-        num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
+        advantages = _check_advantages(advantages, shape).detach().to(dtype)
         if advantages.dim() == 1:
-            advantages = advantages.to(dtype).unsqueeze(-1)  # [B, 1]
-        else:
-            advantages = clean(advantages, detach=True)  # [B, T]
-        return (
-            clean(logprobs, detach=False),
-            clean(old_logprobs, detach=True),
-            advantages.detach(),
-            mask,
-            clean(rollout_logprobs, detach=True),
-            clean(ref_logprobs, detach=True),
-            num_active,
+            advantages = advantages.unsqueeze(-1)  # [B, 1]
+        old, rollout, ref = (x.detach().to(dtype) if x is not None else None for x in named.values())
+        return _Batch(
+            raw_logprobs=logprobs,
+            logprobs=_upcast_saturating_grad(logprobs, dtype),
+            old=old,
+            advantages=advantages,
+            mask=mask,
+            rollout=rollout,
+            ref=ref,
+            num_active=mask.sum(dim=-1, keepdim=True),  # [B, 1]
+            zeroed=False,
         )
+
+
+class _Batch(NamedTuple):
+    """Checked inputs in the compute dtype; ``zeroed``: every masked entry replaced by exactly 0."""
+
+    raw_logprobs: torch.Tensor  # [B, T] as the caller gave it (for the fused path's own upcast)
+    logprobs: torch.Tensor  # [B, T] compute dtype, differentiable
+    old: torch.Tensor  # [B, T]
+    advantages: torch.Tensor  # [B, 1] or [B, T]
+    mask: torch.Tensor  # [B, T] 0/1 float
+    rollout: torch.Tensor | None  # [B, T]
+    ref: torch.Tensor | None  # [B, T]
+    num_active: torch.Tensor  # [B, 1]
+    zeroed: bool
+
+
+def _zero_masked_positions(batch: _Batch, zero_masked) -> _Batch:
+    """Replace every masked entry by exactly 0; after this every value computed at a masked position is finite."""
+    clean = [
+        zero_masked(x, batch.mask) if x is not None else None
+        for x in (batch.logprobs, batch.old, batch.rollout, batch.ref)
+    ]
+    advantages = batch.advantages
+    if (
+        advantages.shape == batch.mask.shape
+    ):  # per-token advantages (harmless for per-sequence ones when T = 1)
+        advantages = zero_masked(advantages, batch.mask)
+    logprobs, old, rollout, ref = clean
+    return batch._replace(
+        logprobs=logprobs, old=old, rollout=rollout, ref=ref, advantages=advantages, zeroed=True
+    )
+
+
+class _LinearInLogprobs(torch.autograd.Function):
+    """``L = Σ_{b,t} m_bt·c_bt·logp_bt`` for a detached coefficient ``c`` ([B, 1] or [B, T]).
+
+    Forward: one reduction (``vecdot`` fuses the multiply and the sum). Backward: one
+    multiply, ``∂L/∂logp = g·m·c``, saturated at the input dtype's largest finite
+    value (as in :class:`_UpcastSaturatingGrad`).
+    """
+
+    @staticmethod
+    def forward(ctx, logprobs: torch.Tensor, coef: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(coef, mask)
+        ctx.input_dtype = logprobs.dtype
+        values = logprobs.detach().to(coef.dtype)  # [B, T]
+        if coef.shape[-1] == 1:
+            return (torch.linalg.vecdot(values, mask) * coef[:, 0]).sum()
+        return torch.linalg.vecdot(values, mask * coef).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        coef, mask = ctx.saved_tensors
+        grad_logprobs = mask * (coef * grad)  # [B, T]
+        if ctx.input_dtype != grad_logprobs.dtype:
+            largest = torch.finfo(ctx.input_dtype).max
+            grad_logprobs = grad_logprobs.clamp(-largest, largest).to(ctx.input_dtype)
+        return grad_logprobs, None, None
+
+
+def _all_finite(batch: _Batch) -> bool:
+    """True when no input holds an inf or NaN anywhere (one sum per tensor, one sync; always False off CPU).
+
+    A sum is non-finite as soon as one term is (a rare overflow of finite terms only
+    costs the slower exact path). On accelerators ``torch.where`` is as fast as a
+    multiply, so the check and its sync are skipped there.
+    """
+    if batch.logprobs.device.type != "cpu":
+        return False
+    return _finite_sums([batch.logprobs, batch.old, batch.advantages, batch.rollout, batch.ref])
+
+
+def _finite_sums(tensors: list[torch.Tensor | None]) -> bool:
+    """True when every given tensor's sum is finite (so no entry is inf or NaN); one sync."""
+    sums = torch.stack([x.detach().sum() for x in tensors if x is not None])
+    return bool(torch.isfinite(sums).all())
+
+
+def _mask_multiply(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x * m``: exact for finite ``x`` (several times faster than ``where`` with a bool mask on CPU)."""
+    return x * mask
+
+
+def _mask_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``where(m, x, 0)``: masked inf/NaN become 0 (``x * m`` would give ``0 * inf = NaN``)."""
+    return torch.where(mask != 0, x, 0)
 
 
 class _UpcastSaturatingGrad(torch.autograd.Function):
@@ -290,32 +468,40 @@ def _check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tenso
 
 @torch.no_grad()
 def _metrics(
-    log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, mask, num_active
+    log_ratio, seq_log_weight, is_log_weight, per_token_kl, stats, mask, num_active
 ) -> dict[str, float]:
-    """Ratio, weight, clip and KL statistics over active tokens (or active sequences)."""
-    active_rows = num_active > 0  # [B, 1]
+    """Ratio, weight, clip and KL statistics over active tokens (or active sequences).
+
+    A [B, 1] statistic counts once per sequence with at least one active token; a
+    [B, T] one once per active token. Statistics of an empty set are NaN. Values
+    at masked positions are finite (any path guarantees it before computing metrics),
+    so they can be pushed out of min/max by adding a large offset.
+    """
+    active_rows = (num_active > 0).to(mask.dtype)  # [B, 1]
+    far = 1e30  # every statistic here is far below it
+    offsets = {1: (1 - active_rows) * far}  # [B, 1]; the [B, T] one is built on first use
     values: dict[str, torch.Tensor] = {}
 
     def describe(name: str, x: torch.Tensor, with_extremes: bool = True) -> None:
-        where = active_rows if x.shape[-1] == 1 else mask  # sequence-level values count once per sequence
-        x = x.float() if x.dtype == torch.bool else x
-        x, where = torch.broadcast_tensors(x, where)
-        count = where.sum()
-        values[f"{name}/mean" if with_extremes else name] = torch.where(where, x, 0).sum() / count
+        per_row = x.shape[-1] == 1
+        weight = active_rows if per_row else mask  # [B, 1] or [B, T]
+        x = as_float(x, mask.dtype)
+        count = torch.broadcast_tensors(x, weight)[1].sum()
+        values[f"{name}/mean" if with_extremes else name] = (
+            torch.linalg.vecdot(*torch.broadcast_tensors(x, weight)).sum() / count
+        )
         if with_extremes:
-            values[f"{name}/min"] = (
-                torch.where(where, x, math.inf).amin() if count else x.new_tensor(math.nan)
-            )
-            values[f"{name}/max"] = (
-                torch.where(where, x, -math.inf).amax() if count else x.new_tensor(math.nan)
-            )
+            if not per_row and "token" not in offsets:
+                offsets["token"] = (1 - mask) * far
+            offset = offsets[1 if per_row else "token"]
+            values[f"{name}/min"] = (x + offset).amin() if count else x.new_tensor(math.nan)
+            values[f"{name}/max"] = (x - offset).amax() if count else x.new_tensor(math.nan)
 
     describe("ratio", torch.exp(log_ratio))
-    seq_log_weight = tok_log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]
     describe("seq_log_weight", seq_log_weight)
     # Normalised effective sample size of W_i = exp(log W_i) over active sequences, in log space:
     # ESS/n = (Σ W)² / (n·Σ W²) = exp(2·LSE(log W) - LSE(2·log W) - log n).
-    log_w = seq_log_weight[active_rows]
+    log_w = seq_log_weight[num_active > 0]
     if log_w.numel():
         ess = torch.exp(
             2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0) - math.log(log_w.numel())
@@ -326,7 +512,7 @@ def _metrics(
     if is_log_weight is not None:
         describe("is_weight", torch.exp(is_log_weight))
     if per_token_kl is not None:
-        describe("kl", per_token_kl, with_extremes=False)
+        describe("kl", per_token_kl.detach(), with_extremes=False)
     names = list(values)
     numbers = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
     return dict(zip(names, numbers, strict=True))

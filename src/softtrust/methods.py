@@ -34,8 +34,10 @@ class MethodInputs(NamedTuple):
             correction, the correction's log-weight is already added.
         token_log_ratio: [B, T] clamped token log-ratio, 0 at masked positions.
         advantages: [B, 1] (one per sequence) or [B, T], 0 at masked positions.
-        mask: [B, T] bool completion mask.
+        mask: [B, T] 0/1 float completion mask (every masked input entry is already 0).
         num_active: [B, 1] number of active tokens per row.
+        with_stats: whether the caller wants ``MethodOutput.stats`` (metrics); methods
+            skip computing them otherwise.
     """
 
     logprobs: torch.Tensor
@@ -44,6 +46,7 @@ class MethodInputs(NamedTuple):
     advantages: torch.Tensor
     mask: torch.Tensor
     num_active: torch.Tensor
+    with_stats: bool = True
 
 
 class MethodOutput(NamedTuple):
@@ -86,6 +89,28 @@ class Method:
 
     def loss(self, inputs: MethodInputs) -> MethodOutput:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DetachedWeightMethod(Method):
+    """REINFORCE-style methods: ``ℓ = -sg(w)·A·logp`` with a detached weight w.
+
+    The loss is linear in ``logp`` with a coefficient that carries no gradient, so
+    :class:`~softtrust.PolicyLoss` can evaluate it in one fused pass (see
+    ``loss._linear_in_logprobs``). Subclasses only define :meth:`weight`.
+    """
+
+    def weight(
+        self, log_ratio: torch.Tensor, advantages: torch.Tensor, with_stats: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # pragma: no cover - interface
+        """The detached weight (broadcastable to [B, T]) and its diagnostics."""
+        raise NotImplementedError
+
+    def loss(self, inputs: MethodInputs) -> MethodOutput:
+        with torch.no_grad():
+            weight, stats = self.weight(inputs.log_ratio, inputs.advantages, inputs.with_stats)
+        loss = -(weight * inputs.advantages) * inputs.logprobs  # [B, T]; the [B, 1] factor first
+        return MethodOutput(loss, stats)
 
 
 def _select(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
@@ -150,10 +175,10 @@ class Clip(Method):
         clipped = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         unclipped = ratio if self.delta is None else ratio.clamp(max=self.delta)
         loss = -torch.minimum(unclipped * advantages, clipped * advantages)  # [B, T] or [B, 1]
-        stats = {
-            "clip/low": (ratio < 1.0 - self.eps_low) & (advantages < 0),
-            "clip/high": (ratio > 1.0 + self.eps_high) & (advantages > 0),
-        }
+        stats = {}
+        if inputs.with_stats:
+            stats["clip/low"] = (ratio < 1.0 - self.eps_low) & (advantages < 0)
+            stats["clip/high"] = (ratio > 1.0 + self.eps_high) & (advantages > 0)
         if self.dual_clip is not None:
             cap = -self.dual_clip * advantages  # c·|A| where A < 0
             is_capped = (advantages < 0) & (loss > cap)
@@ -184,7 +209,7 @@ class GSPO(Clip):
 
 @register_method
 @dataclass(frozen=True)
-class CISPO(Method):
+class CISPO(DetachedWeightMethod):
     """CISPO: REINFORCE with a clipped, detached importance weight.
 
     ``ℓ = -sg(clip(r, ratio_low, ratio_high))·A·logp``. The weight carries no
@@ -214,14 +239,14 @@ class CISPO(Method):
         if self.ratio_low is not None:
             check_number("ratio_low", self.ratio_low, low=0.0, high=1.0)
 
-    def loss(self, inputs: MethodInputs) -> MethodOutput:
-        ratio = torch.exp(inputs.log_ratio.detach())  # [B, T] or [B, 1]
-        weight = ratio.clamp(min=self.ratio_low, max=self.ratio_high)
-        loss = -weight * inputs.advantages * inputs.logprobs  # [B, T]
-        stats = {"clip/high": ratio > self.ratio_high}
-        if self.ratio_low is not None:
-            stats["clip/low"] = ratio < self.ratio_low
-        return MethodOutput(loss, stats)
+    def weight(self, log_ratio, advantages, with_stats):
+        ratio = torch.exp(log_ratio.detach())  # [B, T] or [B, 1]
+        stats = {}
+        if with_stats:
+            stats["clip/high"] = ratio > self.ratio_high
+            if self.ratio_low is not None:
+                stats["clip/low"] = ratio < self.ratio_low
+        return ratio.clamp(min=self.ratio_low, max=self.ratio_high), stats
 
 
 @register_method
@@ -298,7 +323,7 @@ VESPO_LOG_W_FLOOR = math.log(1e-8)
 
 @register_method
 @dataclass(frozen=True)
-class VESPO(Method):
+class VESPO(DetachedWeightMethod):
     """VESPO: a variational, sequence-level reshaping of the importance weight.
 
     With ``W_i = Π_t r_t`` (the product over the sequence, not length-normalised)::
@@ -358,10 +383,9 @@ class VESPO(Method):
             log_phi = lam + k * log_w - lam * torch.exp(log_w)  # log-space: W^k underflows, e^{λW} overflows
             return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def loss(self, inputs: MethodInputs) -> MethodOutput:
-        phi = self.phi(inputs.log_ratio, inputs.advantages)  # [B, 1] (or [B, T] with token advantages)
-        loss = -phi * inputs.advantages * inputs.logprobs  # [B, T]
-        return MethodOutput(loss, {"phi": phi})
+    def weight(self, log_ratio, advantages, with_stats):
+        phi = self.phi(log_ratio, advantages)  # [B, 1] (or [B, T] with token advantages)
+        return phi, ({"phi": phi} if with_stats else {})
 
 
 @register_method
@@ -429,20 +453,19 @@ class GMPO(Method):
         sign = torch.sign(advantages)  # [B, 1] or [B, T]
         log_ratio = inputs.token_log_ratio  # [B, T]
         clipped = log_ratio.clamp(-self.eps, self.eps)
-        sign_aware = sign * torch.minimum(sign * log_ratio, sign * clipped)  # [B, T]
-        sign_aware = torch.where(inputs.mask, sign_aware, 0)
+        sign_aware = sign * torch.minimum(sign * log_ratio, sign * clipped)  # [B, T]; 0 at masked positions
         mean_log = sign_aware.sum(dim=-1, keepdim=True) / inputs.num_active.clamp(min=1)  # [B, 1]
         loss = -advantages * torch.exp(mean_log)  # [B, 1] or [B, T]
-        stats = {
-            "clip/low": (log_ratio < -self.eps) & (advantages < 0),
-            "clip/high": (log_ratio > self.eps) & (advantages > 0),
-        }
+        stats = {}
+        if inputs.with_stats:
+            stats["clip/low"] = (log_ratio < -self.eps) & (advantages < 0)
+            stats["clip/high"] = (log_ratio > self.eps) & (advantages > 0)
         return MethodOutput(loss, stats)
 
 
 @register_method
 @dataclass(frozen=True)
-class REINFORCE(Method):
+class REINFORCE(DetachedWeightMethod):
     """REINFORCE / GPG: ``ℓ = -A·logp``; no ratio, no trust region.
 
     The on-policy reference every other method reduces to at r = 1.
@@ -453,8 +476,8 @@ class REINFORCE(Method):
 
     name: ClassVar[str] = "reinforce"
 
-    def loss(self, inputs: MethodInputs) -> MethodOutput:
-        return MethodOutput(-inputs.advantages * inputs.logprobs, {})
+    def weight(self, log_ratio, advantages, with_stats):
+        return advantages.new_ones(()), {}
 
 
 def make_method(method: str | Method, **params: object) -> Method:

@@ -1,0 +1,77 @@
+"""The fused path (REINFORCE-style methods in one contraction) equals the reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import softtrust as st
+
+from helpers import loss_and_grad, random_batch
+
+FUSED_METHODS = [name for name, cls in st.METHODS.items() if issubclass(cls, st.DetachedWeightMethod)]
+CORRECTIONS = [None, st.TIS(cap=1.5), st.TIS(level="sequence"), st.MIS(low=0.8, high=1.25), st.OPSM(0.05)]
+
+
+def test_fused_methods_are_the_reinforce_style_ones():
+    assert sorted(FUSED_METHODS) == ["cispo", "reinforce", "vespo"]
+
+
+@pytest.mark.parametrize("token_advantages", [False, True])
+@pytest.mark.parametrize("correction", CORRECTIONS, ids=repr)
+@pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_fused_equals_reference_value_and_gradient(method, aggregation, correction, token_advantages):
+    for level in st.METHODS[method].levels:
+        logprobs, old, advantages, mask = random_batch(batch=6, length=9, seed=31, spread=0.4)
+        gen = torch.Generator().manual_seed(32)
+        rollout = old + 0.3 * torch.randn(old.shape, generator=gen, dtype=old.dtype)
+        if token_advantages:
+            advantages = torch.randn(old.shape, generator=gen, dtype=old.dtype)
+        kwargs = {
+            "level": level,
+            "aggregation": aggregation,
+            "correction": correction,
+            "max_completion_length": 12,
+        }
+        fused = st.PolicyLoss(method, **kwargs)
+        reference = st.PolicyLoss(method, fused=False, **kwargs)
+        args = (old, advantages, mask)
+        loss_f, grad_f, metrics_f = loss_and_grad(
+            fused, logprobs, *args, rollout_logprobs=rollout, num_tokens=40
+        )
+        loss_r, grad_r, metrics_r = loss_and_grad(
+            reference, logprobs, *args, rollout_logprobs=rollout, num_tokens=40
+        )
+        assert loss_f.item() == pytest.approx(loss_r.item(), rel=1e-12, abs=1e-14)
+        torch.testing.assert_close(grad_f, grad_r, rtol=1e-12, atol=1e-14)
+        assert metrics_f == pytest.approx(metrics_r, rel=1e-6, nan_ok=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_equals_reference_in_low_precision(dtype):
+    logprobs, old, advantages, mask = random_batch(batch=8, length=32, seed=33, dtype=torch.float32)
+    logprobs, old = logprobs.to(dtype), old.to(dtype)
+    fused, reference = st.PolicyLoss("vespo"), st.PolicyLoss("vespo", fused=False)
+    loss_f, grad_f, _ = loss_and_grad(fused, logprobs, old, advantages, mask)
+    loss_r, grad_r, _ = loss_and_grad(reference, logprobs, old, advantages, mask)
+    assert grad_f.dtype == dtype
+    assert loss_f.item() == pytest.approx(loss_r.item(), rel=1e-5)
+    torch.testing.assert_close(grad_f.float(), grad_r.float(), rtol=1e-2, atol=1e-6)
+
+
+def test_fused_path_is_taken_for_finite_inputs_and_left_for_non_finite_ones():
+    logprobs, old, advantages, mask = random_batch(seed=34)
+    leaf = logprobs.clone().requires_grad_(True)
+    out = st.PolicyLoss("vespo")(leaf, old, advantages, mask)
+    assert type(out.loss.grad_fn).__name__ == "_LinearInLogprobsBackward"
+    poisoned = torch.where(mask, old, float("nan"))
+    out = st.PolicyLoss("vespo")(leaf, poisoned, advantages, mask)
+    assert type(out.loss.grad_fn).__name__ != "_LinearInLogprobsBackward"
+    assert torch.isfinite(out.loss)
+
+
+def test_fused_flag_off_uses_the_elementwise_path():
+    logprobs, old, advantages, mask = random_batch(seed=35)
+    out = st.PolicyLoss("vespo", fused=False)(logprobs.clone().requires_grad_(True), old, advantages, mask)
+    assert type(out.loss.grad_fn).__name__ != "_LinearInLogprobsBackward"
