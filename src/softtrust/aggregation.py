@@ -60,7 +60,9 @@ def aggregation_weights(
     if mode == "token-sum":
         return 1.0
     if mode == "token-mean":
-        return 1.0 / _at_least_one(mask.sum() if num_tokens is None else num_tokens, dtype)
+        if num_tokens is None:
+            num_tokens = mask.sum() if num_active is None else num_active.sum()
+        return 1.0 / _at_least_one(num_tokens, dtype)
     num_sequences = _at_least_one(mask.shape[0] if num_sequences is None else num_sequences, dtype)
     if mode == "seq-mean-token-mean":
         if num_active is None:

@@ -370,7 +370,7 @@ class _LinearInLogprobs(torch.autograd.Function):
         ctx.input_dtype = logprobs.dtype
         values = logprobs.detach().to(coef.dtype)  # [B, T]
         if coef.shape[-1] == 1:
-            return (torch.linalg.vecdot(values, mask) * coef[:, 0]).sum()
+            return torch.dot(torch.linalg.vecdot(values, mask), coef.view(-1))  # Σ_b c_b·Σ_t m·logp
         return torch.linalg.vecdot(values, mask * coef).sum()
 
     @staticmethod
@@ -396,9 +396,8 @@ def _all_finite(batch: _Batch) -> bool:
 
 
 def _finite_sums(tensors: list[torch.Tensor | None]) -> bool:
-    """True when every given tensor's sum is finite (so no entry is inf or NaN); one sync."""
-    sums = torch.stack([x.detach().sum() for x in tensors if x is not None])
-    return bool(torch.isfinite(sums).all())
+    """True when every given tensor's sum is finite (so no entry is inf or NaN)."""
+    return all(math.isfinite(x.detach().sum().item()) for x in tensors if x is not None)
 
 
 def _mask_multiply(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

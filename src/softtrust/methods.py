@@ -375,13 +375,12 @@ class VESPO(DetachedWeightMethod):
 
     def phi(self, log_w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """φ(W) from ``log W`` and the advantage sign (no gradient), broadcast of both inputs."""
-        with torch.no_grad():
-            log_w = log_w.clamp(min=VESPO_LOG_W_FLOOR)
-            nonneg = advantages >= 0
-            k = _select(nonneg, self.k_pos, self.k_neg, advantages)
-            lam = _select(nonneg, self.lambda_pos, self.lambda_neg, advantages)
-            log_phi = lam + k * log_w - lam * torch.exp(log_w)  # log-space: W^k underflows, e^{λW} overflows
-            return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        log_w = log_w.detach().clamp(min=VESPO_LOG_W_FLOOR)
+        nonneg = advantages >= 0
+        k = _select(nonneg, self.k_pos, self.k_neg, advantages)
+        lam = _select(nonneg, self.lambda_pos, self.lambda_neg, advantages)
+        log_phi = lam + k * log_w - lam * torch.exp(log_w)  # log-space: W^k underflows, e^{λW} overflows
+        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     def weight(self, log_ratio, advantages, with_stats):
         phi = self.phi(log_ratio, advantages)  # [B, 1] (or [B, T] with token advantages)

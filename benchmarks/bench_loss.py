@@ -1,0 +1,176 @@
+"""Policy-loss forward + backward: softtrust against TRL 1.16.0's VESPO path and plain implementations.
+
+Usage:
+    python benchmarks/bench_loss.py [--quick] [--threads N] [--reps R] [--out FILE]
+
+For every B × T of the grid (the seed PR's 8×128 … 128×1024, then the long
+completions of reasoning RL: 64×4096, 64×8192, 32×16384) it times forward +
+backward of:
+
+* ``softtrust VESPO``: ``PolicyLoss("vespo", compute_metrics=False)`` (the fused path);
+* ``softtrust VESPO +metrics``: the same with its metrics (ratio, log W, φ, ESS);
+* ``TRL VESPO``: ``trl.GRPOTrainer.get_gamma_weights`` plus TRL's loss expression
+  ``-φ·A·logp`` masked-summed over the token count, on TRL's int64 mask;
+* ``plain VESPO``: a straightforward unfused implementation of the same algorithm;
+* ``softtrust Clip`` / ``plain Clip`` and ``softtrust SAPO`` / ``plain SAPO``.
+
+The variants are timed round-robin (one repetition of each in turn) so that
+machine noise hits them alike; each figure is the median of ``--reps`` repetitions
+after warm-up. Ratios are against TRL (VESPO) or the plain version (Clip, SAPO).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import softtrust as st
+
+GRID = [(8, 128), (16, 256), (32, 512), (64, 512), (128, 512), (32, 1024), (64, 1024), (128, 1024)]
+LONG = [(64, 4096), (64, 8192), (32, 16384)]
+
+
+def plain_vespo(logprobs, old, advantages, mask_f):
+    log_w = (
+        ((logprobs.detach() - old).clamp(-20, 20) * mask_f).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)
+    )
+    a = advantages[:, None]
+    k = torch.where(a >= 0, 2.0, 3.0)
+    lam = torch.where(a >= 0, 3.0, 2.0)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(0.0, 0.0, 0.0)
+    return (-(phi * a) * logprobs * mask_f).sum() / mask_f.sum().clamp(min=1)
+
+
+def plain_clip(logprobs, old, advantages, mask_f):
+    ratio = torch.exp((logprobs - old).clamp(-20, 20))
+    a = advantages[:, None]
+    loss = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
+    return (loss * mask_f).sum() / mask_f.sum().clamp(min=1)
+
+
+def plain_sapo(logprobs, old, advantages, mask_f):
+    ratio = torch.exp((logprobs - old).clamp(-20, 20))
+    a = advantages[:, None]
+    tau = torch.where(a > 0, 1.0, 1.05)
+    loss = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * a
+    return ((loss * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)).mean()
+
+
+def trl_vespo_path() -> Callable | None:
+    try:
+        from trl import GRPOTrainer
+    except ImportError:  # pragma: no cover - the trl extra is optional
+        return None
+
+    def run(logprobs, old, advantages, mask_long):
+        a = advantages[:, None]
+        phi = GRPOTrainer.get_gamma_weights(a, logprobs - old, mask_long, None)
+        per_token_loss = -phi * a * logprobs
+        return (per_token_loss * mask_long).sum() / mask_long.sum().clamp(min=1.0)
+
+    return run
+
+
+def inputs(batch: int, length: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = (-3 * torch.rand(batch, length, generator=gen)).requires_grad_(True)
+    old = logprobs.detach() + 0.002 * torch.randn(batch, length, generator=gen)
+    advantages = torch.randn(batch, generator=gen)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+    mask = torch.arange(length)[None, :] < lengths[:, None]  # right-padded completions
+    return logprobs, old, advantages, mask
+
+
+def time_round_robin(
+    variants: dict[str, Callable[[], torch.Tensor]], logprobs, reps: int
+) -> dict[str, float]:
+    def once(fn):
+        logprobs.grad = None
+        start = time.perf_counter()
+        fn().backward()
+        return time.perf_counter() - start
+
+    for fn in variants.values():  # warm-up
+        for _ in range(3):
+            once(fn)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            times[name].append(once(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def make_variants(
+    logprobs, old, advantages, mask, losses, trl_vespo
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Zero-argument closures, one per variant, bound to this shape's inputs."""
+    args, mask_f = (logprobs, old, advantages), mask.float()
+    variants = {
+        "st_vespo": lambda: losses["vespo"](*args, mask).loss,
+        "st_vespo_metrics": lambda: losses["vespo_m"](*args, mask).loss,
+        "plain_vespo": lambda: plain_vespo(*args, mask_f),
+        "st_clip": lambda: losses["clip"](*args, mask).loss,
+        "plain_clip": lambda: plain_clip(*args, mask_f),
+        "st_sapo": lambda: losses["sapo"](*args, mask).loss,
+        "plain_sapo": lambda: plain_sapo(*args, mask_f),
+    }
+    if trl_vespo is not None:
+        mask_long = mask.long()  # TRL's completion_mask dtype
+        variants["trl_vespo"] = lambda: trl_vespo(*args, mask_long)
+    return variants
+
+
+def run(shapes, reps: int) -> str:
+    trl_vespo = trl_vespo_path()
+    vespo = st.PolicyLoss("vespo", compute_metrics=False)
+    vespo_metrics = st.PolicyLoss("vespo")
+    clip = st.PolicyLoss("clip", compute_metrics=False)
+    sapo = st.PolicyLoss("sapo", aggregation="seq-mean-token-mean", compute_metrics=False)
+    header = (
+        "| B × T | softtrust VESPO (ms) | +metrics (ms) | TRL VESPO (ms) | plain VESPO (ms) | TRL / softtrust "
+        "| softtrust Clip (ms) | plain Clip (ms) | softtrust SAPO (ms) | plain SAPO (ms) |"
+    )
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for batch, length in shapes:
+        logprobs, old, advantages, mask = inputs(batch, length)
+        variants = make_variants(
+            logprobs,
+            old,
+            advantages,
+            mask,
+            {"vespo": vespo, "vespo_m": vespo_metrics, "clip": clip, "sapo": sapo},
+            trl_vespo,
+        )
+        t = {k: v * 1e3 for k, v in time_round_robin(variants, logprobs, reps).items()}
+        trl_ms = t.get("trl_vespo", math.nan)
+        rows.append(
+            f"| {batch} × {length} | {t['st_vespo']:.3f} | {t['st_vespo_metrics']:.3f} | {trl_ms:.3f} "
+            f"| {t['plain_vespo']:.3f} | **{trl_ms / t['st_vespo']:.2f}×** | {t['st_clip']:.3f} | {t['plain_clip']:.3f} "
+            f"| {t['st_sapo']:.3f} | {t['plain_sapo']:.3f} |"
+        )
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a few shapes and 10 repetitions")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--reps", type=int, default=30, help="timed repetitions per variant (median)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = [(8, 128), (64, 1024), (64, 4096)] if args.quick else GRID + LONG
+    reps = 10 if args.quick else args.reps
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {reps} after warm-up")
+    return run(shapes, reps)
+
+
+if __name__ == "__main__":
+    main()
