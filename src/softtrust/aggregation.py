@@ -103,7 +103,9 @@ def aggregate(
         Scalar tensor. Zero (with zero gradient) when nothing is active.
     """
     if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8).to(per_token_loss.dtype)  # via uint8: much faster than bool -> float on CPU
+        mask = mask.view(torch.uint8).to(
+            per_token_loss.dtype
+        )  # via uint8: much faster than bool -> float on CPU
     weight = aggregation_weights(
         mask,
         mode,
