@@ -1,0 +1,542 @@
+"""Memory-lean token log-probs: LM head -> log-softmax -> gather, without the (N, V) logits.
+
+Turning hidden states into per-token log-probs is where RL for LLMs spends its memory:
+with a vocabulary of 32k-152k entries, the unfused ``log_softmax(hidden @ W.T).gather``
+holds the (N, V) fp32 logits several times over (the logits, the log-softmax saved for
+backward, the zero-filled gather gradient, the logits gradient). ``token_logprobs``
+never builds them. It streams over tiles of ``chunk_size`` tokens by
+``vocab_chunk_size`` vocabulary entries, folds each tile into a running (online)
+log-sum-exp, and in backward recomputes each tile's logits instead of storing them.
+Only O(N) fp32 values are saved for backward: the log-sum-exp and the entropy per row.
+
+Math, for one row with hidden state ``h``, labels ``y`` and temperature ``T``::
+
+    z_j     = (h · W_j + b_j) / T                       logits, j in [0, V)
+    log p_y = z_y - logsumexp(z)
+    H       = logsumexp(z) - Σ_j p_j z_j                 entropy of the same distribution
+    ∂ log p_y / ∂ z_j = 1[j = y] - p_j
+    ∂ H / ∂ z_j       = -p_j (log p_j + H)
+    ∂ z_j / ∂ (h · W_j + b_j) = 1 / T
+
+so with upstream gradients ``g`` (log-prob) and ``e`` (entropy) the logits gradient is
+``dz_j = (g (1[j = y] - p_j) - e p_j (log p_j + H)) / T`` and the three parameter
+gradients are two GEMMs and a column sum: ``dh = dz @ W``, ``dW = dzᵀ @ h``, ``db = Σ dz``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from softtrust._validation import check_number, check_shape
+
+IGNORE_INDEX = -100
+# One tile holds this many logits: 4 Mi entries, 16 MiB in fp32, next to N x V for the
+# unfused path. On CPU the tile shape barely changes GEMM throughput (measured on an
+# EPYC: 1024 x 4096 tiles run as fast as one big GEMM); on GPU a larger ``chunk_size``
+# amortises kernel launches.
+TILE_ELEMENTS = 1 << 22
+# Vocabularies larger than this are split into chunks folded by the online log-sum-exp.
+DEFAULT_VOCAB_CHUNK_SIZE = 4096
+_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+    with_entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each label under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Equal to ``log_softmax((hidden @ weight.T + bias) / temperature, -1).gather(labels)``
+    in value and gradient, but the (N, V) logits never exist: tiles of
+    ``chunk_size x vocab_chunk_size`` logits are computed, folded into a running
+    log-sum-exp and dropped, then recomputed in backward. Memory: the unfused path
+    holds N x V fp32 logits several times over; this holds one tile plus O(N) floats.
+
+    The math runs in float32 whatever the input dtype (bf16 GEMM outputs are upcast
+    per tile), in float64 when the inputs are float64. Under autocast the GEMMs run
+    in the autocast dtype.
+
+    Args:
+        hidden: [N, d] or [B, T, d] (any leading shape) final hidden states, any float dtype.
+        weight: [V, d] LM-head weight (``lm_head.weight``).
+        labels: integer tensor of shape ``hidden.shape[:-1]``: the token whose
+            log-prob each row scores, in ``[0, V)`` or equal to ``ignore_index``.
+        bias: optional [V] LM-head bias.
+        temperature: logits are divided by it (> 0).
+        chunk_size: tokens per tile (> 0). Default: ``TILE_ELEMENTS // vocab_chunk_size``.
+        vocab_chunk_size: vocabulary entries per tile (> 0). Default: ``V`` up to
+            ``DEFAULT_VOCAB_CHUNK_SIZE``, chunks of that size above.
+        with_entropy: also return the entropy of each row's distribution.
+        ignore_index: rows with this label are skipped entirely (never go through the
+            LM head): log-prob 0, entropy 0, zero gradient, whatever their label.
+
+    Returns:
+        ``logprobs`` of shape ``labels.shape``, float32 (float64 for float64 inputs);
+        ``(logprobs, entropy)`` when ``with_entropy`` is true.
+    """
+    _check_inputs(hidden, weight, labels, bias, temperature, chunk_size, vocab_chunk_size)
+    dim, vocab = hidden.shape[-1], weight.shape[0]
+    flat_hidden = hidden.reshape(-1, dim)  # [N, d]
+    flat_labels = labels.reshape(-1)  # [N]
+    active = flat_labels != ignore_index  # [N]
+    _check_label_range(flat_labels, active, vocab, ignore_index)
+
+    # Gather the active rows first, so ignored rows never reach the LM head.
+    rows = None if bool(active.all()) else active.nonzero().squeeze(1)  # [M]
+    active_hidden = flat_hidden if rows is None else flat_hidden.index_select(0, rows)  # [M, d]
+    active_labels = flat_labels if rows is None else flat_labels.index_select(0, rows)  # [M]
+
+    vocab_chunk = min(vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE, vocab)
+    token_chunk = chunk_size or max(1, TILE_ELEMENTS // vocab_chunk)
+    outputs = _FusedLinearLogSoftmax.apply(
+        active_hidden,
+        weight,
+        bias,
+        active_labels.long(),
+        1.0 / float(temperature),
+        token_chunk,
+        vocab_chunk,
+        _gemm_dtype(hidden, weight),
+        with_entropy,
+    )
+    outputs = outputs if with_entropy else (outputs,)
+    outputs = tuple(_scatter_rows(x, rows, flat_labels.numel()).view(labels.shape) for x in outputs)
+    return outputs if with_entropy else outputs[0]
+
+
+def completion_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    logits_to_keep: int,
+    *,
+    completion_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the last ``logits_to_keep`` tokens of ``input_ids`` under a Hugging Face causal LM.
+
+    Runs the model body only (``model.get_decoder()``), never its LM head, and scores
+    the completion through ``token_logprobs`` with ``model.get_output_embeddings()``:
+    hidden position ``t`` predicts token ``t + 1``. Differentiable w.r.t. the model
+    parameters. Equal to
+    ``log_softmax(model(input_ids, attention_mask).logits[:, -K-1:-1] / temperature).gather``
+    with ``K = logits_to_keep``, without the (B, K, V) logits.
+
+    Args:
+        model: a ``transformers`` causal LM (``*ForCausalLM``) whose logits are the plain
+            LM-head projection (no logit soft-capping or scaling).
+        input_ids: [B, L] prompt + completion token ids.
+        attention_mask: [B, L] attention mask, or None.
+        logits_to_keep: K, the completion length, ``0 < K < L``.
+        completion_mask: optional [B, K] mask; positions where it is 0 are skipped
+            (log-prob 0, entropy 0, no gradient).
+        temperature: logits are divided by it (> 0).
+        with_entropy: also return the per-token entropy.
+        chunk_size: tokens per tile, passed to ``token_logprobs``.
+
+    Returns:
+        [B, K] float32 log-probs, and the [B, K] entropies when ``with_entropy``.
+    """
+    batch, length = input_ids.shape
+    if not isinstance(logits_to_keep, int) or not 0 < logits_to_keep < length:
+        raise ValueError(
+            f"logits_to_keep must be an int in (0, {length}) for input_ids of shape {tuple(input_ids.shape)}, "
+            f"got {logits_to_keep!r}"
+        )
+    _check_plain_lm_head(model)
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    # Position t predicts token t + 1, so the last position predicts nothing.
+    hidden = outputs.last_hidden_state[:, -logits_to_keep - 1 : -1]  # [B, K, d]
+    labels = input_ids[:, -logits_to_keep:]  # [B, K]
+    if completion_mask is not None:
+        check_shape("completion_mask", completion_mask, (batch, logits_to_keep), "(B, logits_to_keep)")
+        labels = labels.masked_fill(completion_mask == 0, IGNORE_INDEX)  # [B, K]
+    head = model.get_output_embeddings()
+    return token_logprobs(
+        hidden,
+        head.weight,
+        labels,
+        bias=getattr(head, "bias", None),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+
+
+class _FusedLinearLogSoftmax(torch.autograd.Function):
+    """``(log p_y, H)`` of ``softmax((h @ W.T + b) * inv_temperature)`` over tiles; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,  # [M, d]
+        weight: torch.Tensor,  # [V, d]
+        bias: torch.Tensor | None,  # [V]
+        labels: torch.Tensor,  # [M] int64, all in [0, V)
+        inv_temperature: float,
+        token_chunk: int,
+        vocab_chunk: int,
+        gemm_dtype: torch.dtype,
+        with_entropy: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # Entropy is often only logged: let its gradient arrive as None instead of zeros.
+        ctx.set_materialize_grads(False)
+        acc_dtype = _accumulation_dtype(gemm_dtype)
+        state = _OnlineLogSumExp.empty(hidden.shape[0], acc_dtype, hidden.device, with_entropy)
+        with _autocast_off(hidden.device):
+            for v0, v1 in _spans(weight.shape[0], vocab_chunk):
+                weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
+                bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
+                for n0, n1 in _spans(hidden.shape[0], token_chunk):
+                    raw = hidden[n0:n1].to(gemm_dtype) @ weight_chunk.T  # [n, v] in gemm_dtype
+                    logits = _scaled_logits(raw, bias_chunk, inv_temperature, acc_dtype)  # [n, v]
+                    state.fold(logits, labels[n0:n1] - v0, n0, n1, first=v0 == 0)
+        log_normalizer, logprobs, entropy = state.finish()  # [M] each
+        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy)
+        ctx.config = (inv_temperature, token_chunk, vocab_chunk, gemm_dtype)
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
+        hidden, weight, bias, labels, log_normalizer, entropy = ctx.saved_tensors
+        inv_temperature, token_chunk, vocab_chunk, gemm_dtype = ctx.config
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        acc_dtype = log_normalizer.dtype
+        grad_logprobs = None if grad_logprobs is None else grad_logprobs.to(acc_dtype)  # [M]
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(acc_dtype)  # [M]
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=acc_dtype) if needs_hidden else None  # [M, d]
+        # No zero fill: every vocabulary chunk of the weight gradient is written exactly once.
+        grad_weight = torch.empty_like(weight) if needs_weight else None  # [V, d]
+        grad_bias = bias.new_zeros(bias.shape, dtype=acc_dtype) if needs_bias else None  # [V]
+        has_upstream = grad_logprobs is not None or grad_entropy is not None
+        token_spans = list(_spans(hidden.shape[0], token_chunk)) if has_upstream else []
+
+        with _autocast_off(hidden.device):
+            for v0, v1 in _spans(weight.shape[0], vocab_chunk):
+                weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
+                bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
+                grad_weight_rows = None
+                if grad_weight is not None:
+                    grad_weight_rows = _GemmSum(
+                        grad_weight[v0:v1], acc_dtype, terms=len(token_spans)
+                    )  # [v, d]
+                for n0, n1 in token_spans:
+                    hidden_chunk = hidden[n0:n1].to(gemm_dtype)  # [n, d]
+                    raw = hidden_chunk @ weight_chunk.T  # [n, v] recomputed, in gemm_dtype
+                    grad_tile, row_scale = _logits_grad_tile(
+                        raw,
+                        bias_chunk,
+                        inv_temperature,
+                        labels[n0:n1] - v0,
+                        log_normalizer[n0:n1],
+                        entropy[n0:n1],
+                        None if grad_logprobs is None else grad_logprobs[n0:n1],
+                        None if grad_entropy is None else grad_entropy[n0:n1],
+                    )  # [n, v], [n]: dz = row_scale[:, None] * grad_tile
+                    if grad_bias is not None:
+                        grad_bias[v0:v1] += grad_tile.T @ row_scale  # [v]
+                    grad_tile = grad_tile.to(gemm_dtype)  # [n, v]
+                    if grad_hidden is not None:
+                        product = grad_tile @ weight_chunk  # [n, d]
+                        grad_hidden[n0:n1].addcmul_(product, row_scale.unsqueeze(1))  # += dz @ W
+                    if grad_weight_rows is not None:
+                        scaled_hidden = (hidden_chunk * row_scale.unsqueeze(1)).to(gemm_dtype)  # [n, d]
+                        grad_weight_rows.add(grad_tile.T, scaled_hidden)  # += dzᵀ @ h  [v, d]
+                if grad_weight_rows is not None:
+                    grad_weight_rows.close()
+        return _grads_out(grad_hidden, grad_weight, grad_bias, hidden, bias)
+
+
+class _GemmSum:
+    """``out = Σ_k a_k @ b_k`` summed in ``acc_dtype``, for one vocabulary chunk of the weight gradient.
+
+    The first product is written, not added, so ``out`` needs no zero fill. When ``out``
+    is bf16 and there are several terms, the sum runs in an fp32 buffer rounded once at
+    the end (rounding each partial sum to bf16 would bias the gradient); a single term
+    is written straight from the GEMM.
+    """
+
+    def __init__(self, out: torch.Tensor, acc_dtype: torch.dtype, terms: int) -> None:
+        self.out = out  # [v, d]
+        self.acc_dtype = acc_dtype
+        self.sum_in_out = out.dtype == acc_dtype or terms <= 1
+        self.total: torch.Tensor | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.total is not None:
+            _add_matmul(self.total, a, b)
+        elif not self.sum_in_out:
+            self.total = (a @ b).to(self.acc_dtype)  # [v, d] fp32 buffer
+        elif a.dtype == self.out.dtype:
+            self.total = torch.mm(a, b, out=self.out)
+        else:
+            self.total = self.out.copy_(a @ b)
+
+    def close(self) -> None:
+        if self.total is None:
+            self.out.zero_()  # no active token: zero gradient
+        elif self.total is not self.out:
+            self.out.copy_(self.total)  # round the fp32 sum once
+
+
+@dataclass
+class _OnlineLogSumExp:
+    """Per-row running statistics of the logits seen so far, folded one vocabulary chunk at a time.
+
+    With ``m`` the running max (an exact logit value): ``sum_exp = Σ e^{z_j - m}``,
+    ``shifted_dot = Σ e^{z_j - m} (z_j - m)`` (entropy only) and ``target = z_y``.
+    Then ``logsumexp = m + log sum_exp`` and ``H = log sum_exp - shifted_dot / sum_exp``.
+    Everything stays relative to ``m`` (``z - m`` is exact), so large logits lose no
+    digits: forming ``logsumexp - E[z]`` instead would cancel.
+    """
+
+    max: torch.Tensor  # [M]
+    sum_exp: torch.Tensor  # [M]
+    shifted_dot: torch.Tensor | None  # [M]
+    target: torch.Tensor  # [M]
+
+    @classmethod
+    def empty(
+        cls, rows: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
+    ) -> _OnlineLogSumExp:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(rows, dtype=dtype, device=device)
+
+        return cls(
+            max=zeros(), sum_exp=zeros(), shifted_dot=zeros() if with_entropy else None, target=zeros()
+        )
+
+    def fold(self, logits: torch.Tensor, local_labels: torch.Tensor, n0: int, n1: int, first: bool) -> None:
+        """Fold one [n, v] tile (rows n0:n1) into the statistics; ``logits`` is overwritten."""
+        width = logits.shape[1]
+        in_chunk = (local_labels >= 0) & (local_labels < width)  # [n]
+        picked = logits.gather(1, local_labels.clamp(0, width - 1).unsqueeze(1)).squeeze(1)  # [n]
+        target = self.target[n0:n1]
+        target.copy_(torch.where(in_chunk, picked, target))
+
+        old_max = self.max[n0:n1]  # [n]
+        new_max = logits.amax(1) if first else torch.maximum(old_max, logits.amax(1))  # [n]
+        shifted = logits.sub_(new_max.unsqueeze(1))  # z - m'  [n, v], all <= 0
+        exp_shifted = shifted.exp() if self.shifted_dot is not None else shifted.exp_()  # [n, v]
+        chunk_sum = exp_shifted.sum(1)  # [n]
+        sum_exp = self.sum_exp[n0:n1]
+        if self.shifted_dot is not None:
+            # Σ e^{z-m'} (z-m') as a batched dot product: no second [n, v] temporary.
+            chunk_dot = (exp_shifted.unsqueeze(1) @ shifted.unsqueeze(2)).view(-1)  # [n]
+            dot = self.shifted_dot[n0:n1]
+            if first:
+                dot.copy_(chunk_dot)
+            else:
+                # Re-base the old sum from m to m': e^{m-m'} (Σ e^{z-m}(z-m) + (m-m') Σ e^{z-m}).
+                shift = old_max - new_max  # [n], <= 0
+                dot.copy_(shift.exp() * (dot + shift * sum_exp) + chunk_dot)
+        # Online log-sum-exp: rescale the old sum from max m to m' before adding the chunk.
+        sum_exp.copy_(chunk_sum if first else sum_exp * (old_max - new_max).exp() + chunk_sum)
+        old_max.copy_(new_max)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logsumexp, log p_y, H)`` per row, each [M]; H is empty when entropy was not requested."""
+        log_sum_exp = self.sum_exp.log()  # [M]
+        log_normalizer = self.max + log_sum_exp  # [M]
+        logprobs = self.target - log_normalizer  # [M]
+        if self.shifted_dot is None:
+            return log_normalizer, logprobs, log_normalizer.new_empty(0)
+        entropy = log_sum_exp - self.shifted_dot / self.sum_exp  # [M]
+        return log_normalizer, logprobs, entropy
+
+
+def _scaled_logits(
+    raw: torch.Tensor,  # [n, v] GEMM output, gemm_dtype
+    bias: torch.Tensor | None,  # [v], acc_dtype
+    inv_temperature: float,
+    acc_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(raw + b) * inv_temperature`` in ``acc_dtype``; may reuse ``raw``'s storage."""
+    if bias is not None:
+        # Type promotion upcasts a bf16 tile and adds the bias in one pass.
+        logits = torch.add(raw, bias) if raw.dtype != acc_dtype else raw.add_(bias)  # [n, v]
+    else:
+        logits = raw.to(acc_dtype)  # [n, v]: bf16 GEMM output upcast per tile, no-op for fp32
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
+    return logits
+
+
+def _logits_grad_tile(
+    raw: torch.Tensor,  # [n, v] GEMM output, gemm_dtype
+    bias: torch.Tensor | None,  # [v]
+    inv_temperature: float,
+    local_labels: torch.Tensor,  # [n]
+    log_normalizer: torch.Tensor,  # [n]
+    entropy: torch.Tensor,  # [n] (or empty)
+    grad_logprobs: torch.Tensor | None,  # [n]
+    grad_entropy: torch.Tensor | None,  # [n]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits gradient of one tile as ``dz = row_scale[:, None] * tile``.
+
+    ``dz_j = (g (1[j=y] - p_j) - e p_j (log p_j + H)) / T``. Without an entropy gradient
+    (the common case) the tile is ``p - onehot`` and ``row_scale = -g / T``: the per-row
+    factor is applied to the [n, d] GEMM operands instead of the [n, v] tile, which
+    saves a pass over the tile.
+    """
+    acc_dtype = log_normalizer.dtype
+    if bias is None and inv_temperature == 1.0:
+        # z - L straight from the GEMM output; promotion upcasts a bf16 tile in the same pass.
+        log_probs = torch.sub(raw, log_normalizer.unsqueeze(1)) if raw.dtype != acc_dtype else raw
+        if log_probs is raw:
+            log_probs.sub_(log_normalizer.unsqueeze(1))
+    else:
+        log_probs = _scaled_logits(raw, bias, inv_temperature, acc_dtype).sub_(log_normalizer.unsqueeze(1))
+    width = log_probs.shape[1]
+    in_chunk = (local_labels >= 0) & (local_labels < width)  # [n]
+    label_column = local_labels.clamp(0, width - 1).unsqueeze(1)  # [n, 1]
+
+    if grad_entropy is None:
+        tile = log_probs.exp_()  # p_j  [n, v]
+        # p - onehot: subtract 1 at the label, only for rows whose label falls in this chunk.
+        tile.scatter_add_(1, label_column, torch.where(in_chunk, -1.0, 0.0).to(acc_dtype).unsqueeze(1))
+        return tile, grad_logprobs * -inv_temperature  # [n, v], [n]
+
+    probs = log_probs.exp()  # [n, v]
+    coeff = log_probs.add_(entropy.unsqueeze(1)).mul_(grad_entropy.unsqueeze(1))  # e (log p_j + H)
+    if grad_logprobs is not None:
+        coeff.add_(grad_logprobs.unsqueeze(1))  # g + e (log p_j + H)
+    tile = probs.mul_(coeff).neg_()  # -p_j (g + e (log p_j + H))  [n, v]
+    if grad_logprobs is not None:
+        tile.scatter_add_(1, label_column, torch.where(in_chunk, grad_logprobs, 0).unsqueeze(1))  # + g 1[j=y]
+    return tile, torch.full_like(log_normalizer, inv_temperature)  # [n, v], [n]
+
+
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b``; for bf16/fp16 ``a, b`` the GEMM output is upcast before the fp32 sum."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(a @ b)
+
+
+def _grads_out(
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    grad_bias: torch.Tensor | None,
+    hidden: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients in each input's dtype, ``None`` for the non-tensor arguments."""
+    grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
+    grad_bias = None if grad_bias is None or bias is None else grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive chunks of ``step`` covering ``range(total)``."""
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+def _scatter_rows(values: torch.Tensor, rows: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Place the active rows' ``values`` [M] back at ``rows`` of a zero [total] vector."""
+    if rows is None:
+        return values
+    return values.new_zeros(total).index_copy(0, rows, values)  # [N]
+
+
+def _gemm_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMMs run in the inputs' promoted dtype, or in the autocast dtype under autocast."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    device_type = hidden.device.type
+    if dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+def _accumulation_dtype(gemm_dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other float accumulates in float32."""
+    return torch.float64 if gemm_dtype == torch.float64 else torch.float32
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Disable autocast inside the tiles: the dtypes are chosen explicitly there."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _check_plain_lm_head(model: Any) -> None:
+    """Refuse models whose logits are not the plain LM-head projection (the fused path would differ)."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1.0:
+            raise ValueError(
+                f"model.config.{name}={value!r}: completion_logprobs supports only models whose logits are "
+                "the plain LM-head projection; call token_logprobs on the transformed head instead"
+            )
+
+
+def _check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+    vocab_chunk_size: int | None,
+) -> None:
+    """Shapes, dtypes and hyperparameters of ``token_logprobs``; raises ``ValueError`` naming the argument."""
+    _check_float_ndim("hidden", hidden, "(N, d) or (B, T, d)", min_ndim=2)
+    _check_float_ndim("weight", weight, "(V, d)", min_ndim=2, max_ndim=2)
+    vocab, dim = weight.shape
+    if hidden.shape[-1] != dim:
+        raise ValueError(
+            f"hidden has last dim {hidden.shape[-1]} (shape {tuple(hidden.shape)}) but weight has shape "
+            f"{tuple(weight.shape)}; expected weight of shape (V, {hidden.shape[-1]})"
+        )
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in _INTEGER_DTYPES:
+        received = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be an integer tensor of token ids, got {received}")
+    check_shape("labels", labels, tuple(hidden.shape[:-1]), "hidden.shape[:-1]")
+    if bias is not None:
+        _check_float_ndim("bias", bias, "(V,)", min_ndim=1, max_ndim=1)
+        check_shape("bias", bias, (vocab,), "(V,)")
+    check_number("temperature", temperature, low=0.0, low_inclusive=False)
+    for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _check_float_ndim(name: str, x: object, meaning: str, min_ndim: int, max_ndim: int | None = None) -> None:
+    """Raise unless ``x`` is a floating-point tensor with ``min_ndim <= ndim <= max_ndim``."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        received = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a floating-point tensor of shape {meaning}, got {received}")
+    if x.ndim < min_ndim or (max_ndim is not None and x.ndim > max_ndim):
+        raise ValueError(f"{name} must have shape {meaning}, got shape {tuple(x.shape)}")
+
+
+def _check_label_range(labels: torch.Tensor, active: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise unless every active label is a token id in [0, V)."""
+    bad = active & ((labels < 0) | (labels >= vocab))  # [N]
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"labels must be in [0, V) = [0, {vocab}) or equal ignore_index={ignore_index}, "
+            f"got {int(labels[position])} at flat position {position}"
+        )

@@ -1,0 +1,406 @@
+"""Oracle tests for ``softtrust.logprobs``: the fused path equals the unfused log-softmax.
+
+The oracle is ``log_softmax((hidden @ W.T + b) / T).gather(labels)`` (and its entropy)
+computed in float64 by autograd; values, entropies and the gradients for hidden, weight
+and bias must match it to 1e-5 from float32 inputs, and to a stated tolerance from bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from softtrust.logprobs import completion_logprobs, token_logprobs
+
+N, D, V = 37, 16, 101  # N and V prime: no chunk size divides them
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def make_inputs(
+    n: int = N, dim: int = D, vocab: int = V, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, dim, generator=generator)  # [N, d]
+    weight = 0.3 * torch.randn(vocab, dim, generator=generator)  # [V, d]
+    bias = 0.5 * torch.randn(vocab, generator=generator)  # [V]
+    labels = torch.randint(0, vocab, (n,), generator=generator)  # [N]
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype), labels
+
+
+def leaves(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
+
+
+def reference(hidden, weight, bias, labels, temperature=1.0, ignore_index=-100):
+    """Unfused float64 oracle: log-probs and entropies, 0 at ignored rows."""
+    logits = hidden @ weight.T  # [..., V]
+    if bias is not None:
+        logits = logits + bias
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [..., V]
+    active = labels != ignore_index
+    picked = log_probs.gather(-1, torch.where(active, labels, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return torch.where(active, picked, 0), torch.where(active, entropy, 0)
+
+
+def upstream(shape, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64), torch.randn(
+        shape, generator=generator, dtype=torch.float64
+    )
+
+
+def fused_and_reference(
+    dtype=torch.float32, temperature=1.0, chunk_size=None, vocab_chunk_size=None, labels=None, use_bias=True
+):
+    """Values and (hidden, weight, bias) gradients of ``Σ g·logp + e·H`` from both paths."""
+    hidden, weight, bias, default_labels = make_inputs(dtype=dtype)
+    labels = default_labels if labels is None else labels
+    fused_leaves = leaves(hidden, weight, bias)
+    oracle_leaves = leaves(hidden, weight, bias, dtype=torch.float64)
+    if not use_bias:
+        fused_leaves[2] = oracle_leaves[2] = None
+    logprobs, entropy = token_logprobs(
+        fused_leaves[0],
+        fused_leaves[1],
+        labels,
+        bias=fused_leaves[2],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        with_entropy=True,
+    )
+    ref_logprobs, ref_entropy = reference(*oracle_leaves, labels, temperature)
+    grad_logp, grad_ent = upstream(labels.shape)
+    params = [x for x in fused_leaves if x is not None]
+    ref_params = [x for x in oracle_leaves if x is not None]
+    grads = torch.autograd.grad((logprobs * grad_logp + entropy * grad_ent).sum(), params)
+    ref_grads = torch.autograd.grad((ref_logprobs * grad_logp + ref_entropy * grad_ent).sum(), ref_params)
+    return (logprobs, entropy, *grads), (ref_logprobs, ref_entropy, *ref_grads)
+
+
+@pytest.mark.parametrize(
+    ("chunk_size", "vocab_chunk_size"),
+    [(None, None), (7, None), (100, None), (1, None), (7, 13), (3, 1), (100, V), (5, 200)],
+    ids=[
+        "default",
+        "rows-7",
+        "rows-over-N",
+        "rows-1",
+        "rows-7-vocab-13",
+        "vocab-1",
+        "vocab-V",
+        "vocab-over-V",
+    ],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp32_values_entropy_and_grads_match_float64_unfused(chunk_size, vocab_chunk_size, temperature):
+    fused, oracle = fused_and_reference(
+        temperature=temperature, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
+    )
+    assert fused[0].dtype == torch.float32 and fused[1].dtype == torch.float32
+    for name, got, expected in zip(
+        ["logprobs", "entropy", "hidden", "weight", "bias"], fused, oracle, strict=True
+    ):
+        torch.testing.assert_close(
+            got.double(), expected, **FP32_TOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_fp32_without_bias_matches_float64_unfused():
+    fused, oracle = fused_and_reference(temperature=1.3, chunk_size=6, vocab_chunk_size=17, use_bias=False)
+    for got, expected in zip(fused, oracle, strict=True):
+        torch.testing.assert_close(got.double(), expected, **FP32_TOL)
+
+
+def assert_close_bf16(fused, oracle):
+    """bf16 tolerance: 0.05 nats on values, 2% of the largest reference entry on gradients.
+
+    bf16 logits carry a relative error of ~2^-9 (|z| <= ~10 here); the unfused bf16
+    path (bf16 logits, fp32 log-softmax) is off by the same order.
+    """
+    for got, expected in zip(fused[:2], oracle[:2], strict=True):
+        torch.testing.assert_close(got.double(), expected, atol=0.05, rtol=0)
+    for got, expected in zip(fused[2:], oracle[2:], strict=True):
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got.double(), expected, atol=0.02 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7], ids=["one-token-tile", "token-tiles-7"])
+def test_bf16_matches_float64_unfused_within_bf16_tolerance(chunk_size):
+    fused, oracle = fused_and_reference(
+        dtype=torch.bfloat16, temperature=0.8, chunk_size=chunk_size, vocab_chunk_size=32
+    )
+    assert fused[0].dtype == torch.float32
+    assert [g.dtype for g in fused[2:]] == [torch.bfloat16] * 3
+    assert_close_bf16(fused, oracle)
+
+
+def test_bf16_weight_grad_sums_token_tiles_in_fp32():
+    # One large and 100 small same-sign contributions per weight row, one token per tile:
+    # summed in bf16, each small term is below half an ulp of the running sum and is lost
+    # (a 23% error); summed in fp32 and rounded once, the gradient is right.
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 4, generator=generator).expand(101, 4).bfloat16()
+    weight = torch.randn(8, 4, generator=generator).bfloat16().requires_grad_()
+    labels = torch.full((101,), 3)
+    upstream_grad = torch.full((101,), 0.003)
+    upstream_grad[0] = 1.0
+    logprobs = token_logprobs(hidden, weight, labels, chunk_size=1)
+    (grad,) = torch.autograd.grad((logprobs * upstream_grad).sum(), weight)
+    oracle = weight.detach().double().requires_grad_()
+    ref_logprobs = reference(hidden.double(), oracle, None, labels)[0]
+    (ref_grad,) = torch.autograd.grad((ref_logprobs * upstream_grad.double()).sum(), oracle)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=0.02 * ref_grad.abs().max().item(), rtol=0)
+
+
+def test_float64_inputs_give_float64_outputs_and_pass_gradcheck():
+    hidden, weight, bias, labels = make_inputs(n=6, dim=4, vocab=9, dtype=torch.float64)
+    hidden, weight, bias = leaves(hidden, weight, bias)
+
+    def fused(h, w, b):
+        return token_logprobs(
+            h, w, labels, bias=b, temperature=0.9, chunk_size=4, vocab_chunk_size=4, with_entropy=True
+        )
+
+    logprobs, entropy = fused(hidden, weight, bias)
+    assert logprobs.dtype == torch.float64 and entropy.dtype == torch.float64
+    ref_logprobs, ref_entropy = reference(hidden, weight, bias, labels, 0.9)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(fused, (hidden, weight, bias))
+
+
+def test_ignored_rows_are_zero_with_zero_grad_even_when_their_hidden_is_nan():
+    hidden, weight, bias, labels = make_inputs()
+    ignored = torch.zeros(N, dtype=torch.bool)
+    ignored[[0, 5, 36]] = True
+    labels = labels.masked_fill(ignored, -100)
+    dirty_hidden = hidden.masked_fill(ignored.unsqueeze(1), float("nan"))  # never reaches the LM head
+    hidden_leaf, weight_leaf, bias_leaf = leaves(dirty_hidden, weight, bias)
+    logprobs, entropy = token_logprobs(
+        hidden_leaf, weight_leaf, labels, bias=bias_leaf, chunk_size=4, vocab_chunk_size=30, with_entropy=True
+    )
+    assert torch.all(logprobs[ignored] == 0) and torch.all(entropy[ignored] == 0)
+    grad_logp, grad_ent = upstream(labels.shape)
+    (logprobs * grad_logp + entropy * grad_ent).sum().backward()
+    assert torch.all(hidden_leaf.grad[ignored] == 0)
+
+    oracle = leaves(hidden, weight, bias, dtype=torch.float64)
+    ref_logprobs, ref_entropy = reference(*oracle, labels)
+    (ref_logprobs * grad_logp + ref_entropy * grad_ent).sum().backward()
+    torch.testing.assert_close(logprobs.double(), ref_logprobs, **FP32_TOL)
+    torch.testing.assert_close(entropy.double(), ref_entropy, **FP32_TOL)
+    for got, expected in zip([hidden_leaf, weight_leaf, bias_leaf], oracle, strict=True):
+        torch.testing.assert_close(got.grad.double(), expected.grad, **FP32_TOL)
+
+
+def test_ignored_label_far_outside_the_vocabulary_does_not_raise():
+    hidden, weight, _, labels = make_inputs()
+    labels[[2, 3]] = 10**9
+    logprobs = token_logprobs(hidden, weight, labels, ignore_index=10**9)
+    assert logprobs[2] == 0 and logprobs[3] == 0
+    expected = reference(hidden.double(), weight.double(), None, labels, ignore_index=10**9)[0]
+    torch.testing.assert_close(logprobs.double(), expected, **FP32_TOL)
+
+
+def test_all_rows_ignored_gives_zeros_and_zero_grads():
+    hidden, weight, bias, labels = make_inputs()
+    hidden, weight, bias = leaves(hidden, weight, bias)
+    logprobs, entropy = token_logprobs(
+        hidden, weight, torch.full_like(labels, -100), bias=bias, with_entropy=True
+    )
+    assert torch.all(logprobs == 0) and torch.all(entropy == 0)
+    (logprobs.sum() + entropy.sum()).backward()
+    for leaf in (hidden, weight, bias):
+        assert torch.all(leaf.grad == 0)
+
+
+def test_3d_inputs_match_the_flattened_computation():
+    hidden, weight, bias, labels = make_inputs(n=4 * 9)
+    labels[[3, 20]] = -100
+    hidden_3d, labels_3d = hidden.view(4, 9, D), labels.view(4, 9)
+    logprobs, entropy = token_logprobs(
+        hidden_3d, weight, labels_3d, bias=bias, chunk_size=5, with_entropy=True
+    )
+    assert logprobs.shape == (4, 9) and entropy.shape == (4, 9)
+    ref_logprobs, ref_entropy = reference(hidden_3d.double(), weight.double(), bias.double(), labels_3d)
+    torch.testing.assert_close(logprobs.double(), ref_logprobs, **FP32_TOL)
+    torch.testing.assert_close(entropy.double(), ref_entropy, **FP32_TOL)
+
+
+def test_large_logit_offsets_stay_accurate():
+    # A bias of +1000 on every entry: logsumexp and E[z] are both ~1000; the entropy is
+    # accumulated relative to the running max, so it does not lose digits to cancellation.
+    hidden, weight, bias, labels = make_inputs()
+    shifted_bias = bias + 1000.0
+    logprobs, entropy = token_logprobs(
+        hidden, weight, labels, bias=shifted_bias, vocab_chunk_size=10, with_entropy=True
+    )
+    ref_logprobs, ref_entropy = reference(hidden.double(), weight.double(), bias.double(), labels)
+    torch.testing.assert_close(logprobs.double(), ref_logprobs, atol=1e-3, rtol=0)
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-4, rtol=0)
+
+
+def test_logprob_only_and_entropy_only_gradients_match():
+    hidden, weight, bias, labels = make_inputs()
+    for use in ("logprobs", "entropy"):
+        fused = leaves(hidden, weight, bias)
+        oracle = leaves(hidden, weight, bias, dtype=torch.float64)
+        outputs = token_logprobs(
+            fused[0], fused[1], labels, bias=fused[2], vocab_chunk_size=40, with_entropy=True
+        )
+        ref_outputs = reference(*oracle, labels)
+        pick = 0 if use == "logprobs" else 1
+        outputs[pick].sum().backward()
+        ref_outputs[pick].sum().backward()
+        for got, expected in zip(fused, oracle, strict=True):
+            torch.testing.assert_close(got.grad.double(), expected.grad, **FP32_TOL)
+
+
+def test_without_entropy_returns_a_tensor_and_grads_only_where_required():
+    hidden, weight, _, labels = make_inputs()
+    weight_leaf = weight.clone().requires_grad_()
+    logprobs = token_logprobs(hidden, weight_leaf, labels, temperature=2.0)
+    assert isinstance(logprobs, torch.Tensor) and logprobs.shape == (N,)
+    logprobs.sum().backward()
+    oracle = weight.double().requires_grad_()
+    reference(hidden.double(), oracle, None, labels, 2.0)[0].sum().backward()
+    torch.testing.assert_close(weight_leaf.grad.double(), oracle.grad, **FP32_TOL)
+
+
+def test_autocast_bf16_runs_the_gemm_in_bf16_and_returns_float32():
+    hidden, weight, bias, labels = make_inputs()
+    fused_leaves = leaves(hidden, weight, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, entropy = token_logprobs(
+            fused_leaves[0], fused_leaves[1], labels, bias=fused_leaves[2], chunk_size=10, with_entropy=True
+        )
+    assert logprobs.dtype == torch.float32
+    oracle_leaves = leaves(hidden, weight, bias, dtype=torch.float64)
+    ref_logprobs, ref_entropy = reference(*oracle_leaves, labels)
+    assert not torch.allclose(logprobs.double(), ref_logprobs, atol=1e-6, rtol=0)  # really ran in bf16
+    grad_logp, grad_ent = upstream(labels.shape)
+    grads = torch.autograd.grad((logprobs * grad_logp + entropy * grad_ent).sum(), fused_leaves)
+    ref_grads = torch.autograd.grad((ref_logprobs * grad_logp + ref_entropy * grad_ent).sum(), oracle_leaves)
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    assert_close_bf16((logprobs, entropy, *grads), (ref_logprobs, ref_entropy, *ref_grads))
+
+
+# ---- bad input: one test per case, each message names the argument -------------------------
+
+
+def test_rejects_hidden_weight_dim_mismatch():
+    hidden, weight, _, labels = make_inputs()
+    with pytest.raises(ValueError, match=r"hidden has last dim 16.*weight has shape \(101, 8\)"):
+        token_logprobs(hidden, weight[:, :8], labels)
+
+
+def test_rejects_labels_shape_mismatch():
+    hidden, weight, _, labels = make_inputs()
+    with pytest.raises(ValueError, match=r"labels must have shape .*\(37,\), got \(36,\)"):
+        token_logprobs(hidden, weight, labels[:-1])
+
+
+@pytest.mark.parametrize("bad", [-1, V])
+def test_rejects_labels_out_of_range(bad):
+    hidden, weight, _, labels = make_inputs()
+    labels[4] = bad
+    with pytest.raises(
+        ValueError, match=rf"labels must be in \[0, V\) = \[0, 101\).*got {bad} at flat position 4"
+    ):
+        token_logprobs(hidden, weight, labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_rejects_non_integer_labels(dtype):
+    hidden, weight, _, labels = make_inputs()
+    with pytest.raises(ValueError, match=rf"labels must be an integer tensor.*{dtype}"):
+        token_logprobs(hidden, weight, labels.to(dtype))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_rejects_non_positive_temperature(temperature):
+    hidden, weight, _, labels = make_inputs()
+    with pytest.raises(ValueError, match=rf"temperature must be > 0.*{temperature}"):
+        token_logprobs(hidden, weight, labels, temperature=temperature)
+
+
+@pytest.mark.parametrize("name", ["chunk_size", "vocab_chunk_size"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_rejects_non_positive_chunk_sizes(name, value):
+    hidden, weight, _, labels = make_inputs()
+    with pytest.raises(ValueError, match=rf"{name} must be a positive int.*{value}"):
+        token_logprobs(hidden, weight, labels, **{name: value})
+
+
+def test_rejects_bias_of_wrong_shape():
+    hidden, weight, bias, labels = make_inputs()
+    with pytest.raises(ValueError, match=r"bias must have shape \(V,\) = \(101,\), got \(100,\)"):
+        token_logprobs(hidden, weight, labels, bias=bias[:-1])
+
+
+def test_rejects_integer_hidden():
+    _, weight, _, labels = make_inputs()
+    with pytest.raises(ValueError, match="hidden must be a floating-point tensor"):
+        token_logprobs(torch.ones(N, D, dtype=torch.long), weight, labels)
+
+
+# ---- Hugging Face helper -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    pytest.importorskip("transformers")
+    from softtrust.train.tiny import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer).float()
+    return tokenizer, model
+
+
+def test_completion_logprobs_match_the_model_logits_in_value_and_gradient(tiny_lm):
+    tokenizer, model = tiny_lm
+    texts = ["12+30=42", "7*6=42!!", "abc"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)  # left padding
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    keep, temperature = 5, 0.7
+    completion_mask = attention_mask[:, -keep:].clone()
+    completion_mask[0, -1] = 0
+
+    logprobs, entropy = completion_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        keep,
+        completion_mask=completion_mask,
+        temperature=temperature,
+        with_entropy=True,
+        chunk_size=3,
+    )
+    assert logprobs.shape == (3, keep) and logprobs.dtype == torch.float32
+    params = [model.get_output_embeddings().weight, model.model.layers[0].mlp.up_proj.weight]
+    grad_logp, grad_ent = upstream(logprobs.shape)
+    grad_logp, grad_ent = grad_logp.float(), grad_ent.float()
+    grads = torch.autograd.grad((logprobs * grad_logp + entropy * grad_ent).sum(), params)
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -keep - 1 : -1]
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, K, V]
+    active = completion_mask.bool()
+    ref_logprobs = torch.where(active, log_probs.gather(-1, input_ids[:, -keep:, None]).squeeze(-1), 0)
+    ref_entropy = torch.where(active, -(log_probs.exp() * log_probs).sum(-1), 0)
+    ref_grads = torch.autograd.grad((ref_logprobs * grad_logp + ref_entropy * grad_ent).sum(), params)
+
+    torch.testing.assert_close(logprobs, ref_logprobs, **FP32_TOL)
+    torch.testing.assert_close(entropy, ref_entropy, **FP32_TOL)
+    assert logprobs[0, -1] == 0
+    for got, expected in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        assert got.abs().max() > 0
+
+
+def test_completion_logprobs_rejects_bad_logits_to_keep(tiny_lm):
+    _, model = tiny_lm
+    input_ids = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"logits_to_keep must be an int in \(0, 4\).*got 4"):
+        completion_logprobs(model, input_ids, None, 4)
