@@ -1,0 +1,169 @@
+"""Atomic checkpoints: a complete directory appears by rename, or not at all.
+
+Layout under ``<run>/checkpoints/``::
+
+    step-000064/model.safetensors   the policy weights (safetensors)
+    step-000064/state.pt            optimizer, scheduler, RNG states, step, pending rollouts,
+                                    counters (tensors and plain Python only: weights_only=True loads it)
+    latest                          the name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temporary directory, flushed to disk, then renamed;
+``latest`` is replaced the same way. A process killed at any point leaves the previous
+checkpoint and a ``latest`` that names a complete directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_file, save_model
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+LATEST_FILE = "latest"
+
+
+def _fsync_directory(path: Path) -> None:
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def save_checkpoint(
+    checkpoint_root: Path,
+    step: int,
+    model,
+    state: dict,
+    keep: int = 2,
+    model_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``model`` and ``state`` as ``checkpoint_root/step-XXXXXX`` atomically; prune old ones.
+
+    Args:
+        model_state: the weights to write instead of ``model``'s own (a model sharded with
+            FSDP2 passes its gathered full state dict, tied weights once, so that the file
+            is the one ``save_model`` would write).
+
+    Returns:
+        The final checkpoint directory.
+    """
+    checkpoint_root = Path(checkpoint_root)
+    checkpoint_root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_root / checkpoint_name(step)
+    temporary = Path(tempfile.mkdtemp(dir=checkpoint_root, prefix=f".tmp-{final.name}-"))
+    try:
+        if model_state is None:
+            save_model(model, str(temporary / MODEL_FILE))
+        else:
+            save_file(model_state, str(temporary / MODEL_FILE), metadata={"format": "pt"})
+        torch.save(state, temporary / STATE_FILE)
+        for name in (MODEL_FILE, STATE_FILE):
+            _fsync_file(temporary / name)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _fsync_directory(checkpoint_root)
+    atomic_write_text(checkpoint_root / LATEST_FILE, final.name + "\n")
+    _prune(checkpoint_root, keep)
+    return final
+
+
+def _complete_checkpoints(checkpoint_root: Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first (temporary ones never match)."""
+    found = [
+        path
+        for path in checkpoint_root.glob("step-*")
+        if path.is_dir() and (path / MODEL_FILE).is_file() and (path / STATE_FILE).is_file()
+    ]
+    return sorted(found, key=lambda path: path.name)
+
+
+def _prune(checkpoint_root: Path, keep: int) -> None:
+    for path in _complete_checkpoints(checkpoint_root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for leftover in checkpoint_root.glob(".tmp-*"):  # from a process killed mid-save
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint to resume from: ``path`` itself, or the newest under a run directory.
+
+    Accepts a checkpoint directory, a ``checkpoints/`` directory or a run directory.
+    ``latest`` is trusted when it names a complete checkpoint; otherwise the newest
+    complete one is used.
+    """
+    path = Path(path)
+    if (path / STATE_FILE).is_file() and (path / MODEL_FILE).is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if (named / STATE_FILE).is_file() and (named / MODEL_FILE).is_file():
+            return named
+    complete = _complete_checkpoints(root)
+    if not complete:
+        raise FileNotFoundError(f"resume: no complete checkpoint under {str(path)!r}")
+    return complete[-1]
+
+
+def load_checkpoint(checkpoint: Path, model) -> dict:
+    """Load the weights into ``model`` (in place) and return the state dict (weights_only)."""
+    checkpoint = Path(checkpoint)
+    load_model(model, str(checkpoint / MODEL_FILE))
+    return torch.load(checkpoint / STATE_FILE, weights_only=True)
+
+
+def rng_state(generator: torch.Generator, python_rng) -> dict:
+    """Every random stream the trainer draws from."""
+    return {
+        "torch": torch.get_rng_state(),
+        "sampling": generator.get_state(),
+        "problems": python_rng.getstate(),
+    }
+
+
+def restore_rng_state(state: dict, generator: torch.Generator, python_rng) -> None:
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["sampling"])
+    version, internal, gauss = state["problems"]
+    python_rng.setstate((version, tuple(internal), gauss))

@@ -1,0 +1,461 @@
+"""Rollouts: sample G completions per prompt, record behaviour log-probs, score rewards.
+
+Generation is a plain KV-cache sampling loop (faster than ``model.generate`` for a tiny
+model on CPU). The trainer's random draws are keyed by (seed, rollout index, global group
+index) (``group_uniforms``): a rollout is the same whichever process samples which group,
+so ``torchrun`` with P processes samples what one process does, and a resume needs no
+sampler state.
+Each sampled token's log-prob is recorded with the same temperature scaling the learner
+uses, so a rollout's ``rollout_logprobs`` are the behaviour policy's own numbers.
+Everything after a completion's first end-of-sequence token is masked; the end-of-sequence
+token itself is a completion token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import math
+import numbers
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from softtrust.logprobs import completion_logprobs
+
+from .tasks import Problem
+
+
+@dataclass
+class RolloutBatch:
+    """Prompts x G completions, as the learner consumes them. Groups are consecutive rows.
+
+    Attributes:
+        input_ids: ``[B, P + T]`` left-padded prompt, then the completion (pad after EOS).
+        attention_mask: ``[B, P + T]`` 1 on real prompt tokens and completion tokens.
+        completion_mask: ``[B, T]`` 1 on completion tokens up to and including the first EOS.
+        rollout_logprobs: ``[B, T]`` log-probs of the sampled tokens under the generating
+            weights and numerics, recorded at generation time.
+        rewards: ``[B]`` float.
+        policy_version: the learner step whose weights generated the batch.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    rewards: torch.Tensor
+    policy_version: int = 0
+    completions: list[str] = field(default_factory=list)
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def rows(self, start: int, stop: int) -> RolloutBatch:
+        """Rows ``[start, stop)`` (a mini-batch)."""
+        return RolloutBatch(
+            input_ids=self.input_ids[start:stop],
+            attention_mask=self.attention_mask[start:stop],
+            completion_mask=self.completion_mask[start:stop],
+            rollout_logprobs=self.rollout_logprobs[start:stop],
+            rewards=self.rewards[start:stop],
+            policy_version=self.policy_version,
+            completions=self.completions[start:stop],
+        )
+
+    def tensors(self) -> dict:
+        """The batch as plain tensors and ints (what a checkpoint stores)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "completions"}
+        state["completions"] = list(self.completions)
+        return state
+
+    @classmethod
+    def from_tensors(cls, state: dict) -> RolloutBatch:
+        return cls(**state)
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """Rows of several batches (e.g. every rank's share of a mini-batch), in order.
+
+        Prompts are re-padded on the left and completions on the right to the widest;
+        padding holds token 0 under a zero mask, so it never reaches a log-prob.
+        """
+        if len(batches) == 1:
+            return batches[0]
+        prompt_width = max(b.input_ids.shape[1] - b.completion_length for b in batches)
+        completion_width = max(b.completion_length for b in batches)
+
+        def pad(tensor: torch.Tensor, left: int, right: int) -> torch.Tensor:
+            return torch.nn.functional.pad(tensor, (left, right), value=0)
+
+        pieces: dict[str, list[torch.Tensor]] = {
+            name: [] for name in ("ids", "attention", "completion", "logprobs")
+        }
+        for b in batches:
+            left = prompt_width - (b.input_ids.shape[1] - b.completion_length)
+            right = completion_width - b.completion_length
+            prompt_part = slice(0, b.input_ids.shape[1] - b.completion_length)
+            completion_part = slice(b.input_ids.shape[1] - b.completion_length, None)
+            pieces["ids"].append(
+                torch.cat(
+                    [
+                        pad(b.input_ids[:, prompt_part], left, 0),
+                        pad(b.input_ids[:, completion_part], 0, right),
+                    ],
+                    1,
+                )
+            )
+            pieces["attention"].append(
+                torch.cat(
+                    [
+                        pad(b.attention_mask[:, prompt_part], left, 0),
+                        pad(b.attention_mask[:, completion_part], 0, right),
+                    ],
+                    1,
+                )
+            )
+            pieces["completion"].append(pad(b.completion_mask, 0, right))
+            pieces["logprobs"].append(pad(b.rollout_logprobs, 0, right))
+        return cls(
+            input_ids=torch.cat(pieces["ids"]),
+            attention_mask=torch.cat(pieces["attention"]),
+            completion_mask=torch.cat(pieces["completion"]),
+            rollout_logprobs=torch.cat(pieces["logprobs"]),
+            rewards=torch.cat([b.rewards for b in batches]),
+            policy_version=batches[0].policy_version,
+            completions=[text for b in batches for text in b.completions],
+        )
+
+
+def cache_argument_name(model) -> str:
+    """``cache`` (transformers >= 5) or ``past_key_values`` (older), whichever forward takes."""
+    if getattr(model, "wraps_causal_lm", False):  # distributed.PolicyForward: look inside
+        model = model.model
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at each row's first real token. ``[B, L]``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask, ``[B, P]`` each."""
+    previous_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        encoded = tokenizer(list(prompts), padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = previous_side
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+@torch.no_grad()
+def sample_completions(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+    uniforms: torch.Tensor | None = None,
+    all_finished: Callable[[bool], bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample (or, at ``temperature == 0``, greedily decode) completions with a KV cache.
+
+    Args:
+        model: a Hugging Face causal LM (put in eval mode by the caller).
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts.
+        temperature: logits are divided by it before the softmax (the learner does the
+            same); 0 means greedy, with log-probs taken at temperature 1.
+        generator: the random stream for sampling (its state is checkpointed).
+        dtype: run the forward under ``torch.autocast`` in this dtype (a rollout engine
+            whose numerics differ from the learner's); ``None`` keeps the model's own.
+        uniforms: ``[B, max_new_tokens]`` float64 uniform draws in [0, 1), one per row and
+            position (``group_uniforms``); when given, token ``t`` of row ``b`` is the inverse
+            CDF of its distribution at ``uniforms[b, t]`` and ``generator`` is unused. Each row's
+            draw then depends only on its own numbers, never on the batch it is sampled in.
+        all_finished: given this process's "every row has ended", says whether every process
+            has (FSDP2: all ranks must run the same number of forwards); default: this one.
+
+    Returns:
+        ``completion_ids [B, T]`` (pad after EOS), ``completion_mask [B, T]`` (up to and
+        including the first EOS), ``logprobs [B, T]`` float32 of the chosen tokens (0 where masked).
+    """
+    batch_size = prompt_ids.shape[0]
+    cache_name = cache_argument_name(model)
+    device = next(model.parameters()).device
+    attention_mask = prompt_mask.to(device)
+    step_input = prompt_ids.to(device)
+    position_ids = position_ids_from_mask(attention_mask)
+    cache = None
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    tokens, masks, logprobs = [], [], []
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _no_autocast()
+    for position in range(max_new_tokens):
+        with autocast:
+            output = model(
+                input_ids=step_input,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{cache_name: cache},
+            )
+        cache = getattr(output, cache_name)
+        logits = output.logits[:, -1, :].float()  # [B, V]
+        if temperature > 0 and uniforms is not None:
+            log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
+            token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
+        elif temperature > 0:
+            log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
+            token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)  # [B]
+        else:
+            log_probs = torch.log_softmax(logits, dim=-1)
+            token = logits.argmax(dim=-1)
+        active = ~finished
+        token = torch.where(active, token, torch.full_like(token, pad_token_id))
+        chosen = log_probs.gather(1, token.unsqueeze(1)).squeeze(1)  # [B]
+        tokens.append(token)
+        masks.append(active)
+        # Masked positions hold 0, never the (possibly -inf) log-prob of a pad token.
+        logprobs.append(torch.where(active, chosen, torch.zeros_like(chosen)))
+        finished = finished | (token == eos_token_id)
+        done = bool(finished.all())
+        if all_finished(done) if all_finished is not None else done:
+            break
+        attention_mask = torch.cat([attention_mask, active.long().unsqueeze(1)], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+        step_input = token.unsqueeze(1)
+    return (
+        torch.stack(tokens, 1).cpu(),
+        torch.stack(masks, 1).long().cpu(),
+        torch.stack(logprobs, 1).cpu(),
+    )
+
+
+def inverse_cdf_sample(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row by inverting its CDF at a given uniform draw.
+
+    Args:
+        log_probs: ``[B, V]`` log-probabilities.
+        uniform: ``[B]`` draws in [0, 1).
+
+    Returns:
+        ``[B]`` token ids: the first ``v`` with ``cdf[v] > u``. The CDF is summed in float64
+        and the index clamped to ``V - 1`` (rounding can leave ``cdf[-1]`` a hair under 1).
+    """
+    cdf = log_probs.double().exp().cumsum(dim=-1)  # [B, V]
+    token = (cdf <= uniform.double().unsqueeze(1)).sum(dim=-1)  # [B]
+    return token.clamp(max=log_probs.shape[-1] - 1)
+
+
+def group_seed(seed: int, rollout_index: int, group_index: int) -> int:
+    """A 63-bit seed for one group's sampling stream, from (run seed, rollout, global group).
+
+    Keyed by the group's place in the global batch, never by the process that samples it,
+    so P processes draw the same completions as one.
+    """
+    digest = hashlib.blake2b(f"{seed}:{rollout_index}:{group_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def group_uniforms(
+    seed: int, rollout_index: int, group_indices: Sequence[int], group_size: int, max_new_tokens: int
+) -> torch.Tensor:
+    """``[len(group_indices) x G, max_new_tokens]`` float64 uniforms, rows grouped as in a rollout."""
+    draws = [
+        torch.rand(
+            group_size,
+            max_new_tokens,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(group_seed(seed, rollout_index, group)),
+        )
+        for group in group_indices
+    ]
+    return torch.cat(draws) if draws else torch.zeros(0, max_new_tokens, dtype=torch.float64)
+
+
+class _no_autocast:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def sequence_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_length: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The learner's log-probs of the last ``completion_length`` tokens, ``[B, T]`` float32.
+
+    Position ``t`` predicts token ``t + 1``; logits are divided by ``temperature`` as in
+    sampling; masked completion positions hold 0. ``softtrust.logprobs.completion_logprobs``
+    does the work without building the ``[B, T, V]`` logits.
+    """
+    completion_mask = attention_mask[:, -completion_length:]  # [B, T]
+    return completion_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        completion_length,
+        completion_mask=completion_mask,
+        temperature=temperature,
+    )
+
+
+class RewardScorer:
+    """Calls a task's reward safely: an exception or a non-number scores 0 and is counted.
+
+    With ``strict=True`` the exception (or a ``TypeError`` for a non-number) propagates.
+    """
+
+    def __init__(self, task, strict: bool = False):
+        self.task = task
+        self.strict = strict
+        self.failures = 0
+
+    def __call__(self, completion: str, answer: str) -> float:
+        try:
+            value = self.task.reward(completion, answer)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise TypeError(f"reward function returned {value!r}, expected a finite number")
+            return float(value)
+        except Exception:
+            if self.strict:
+                raise
+            self.failures += 1
+            return 0.0
+
+
+class ProblemSampler:
+    """Draws training problems from a task with its own seeded ``random.Random``.
+
+    Problems in the held-out set are skipped, so evaluation stays unseen.
+    """
+
+    def __init__(self, task, seed: int, exclude: Sequence[Problem] = ()):
+        self.task = task
+        self.rng = random.Random(seed)
+        self.excluded = {problem.prompt for problem in exclude}
+
+    def draw(self, count: int) -> list[Problem]:
+        problems = []
+        attempts = 0
+        while len(problems) < count:
+            problem = self.task.sample(self.rng)
+            attempts += 1
+            # A dataset smaller than its held-out split would loop forever: fall back.
+            if problem.prompt not in self.excluded or attempts > 100 * count:
+                problems.append(problem)
+        return problems
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    """Completion text up to (not including) the first EOS."""
+    texts = []
+    for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist(), strict=True):
+        kept = [t for t, m in zip(ids, mask, strict=True) if m and t != tokenizer.eos_token_id]
+        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+    return texts
+
+
+def generate_rollout(
+    model,
+    tokenizer,
+    problems: Sequence[Problem],
+    scorer: RewardScorer,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    policy_version: int = 0,
+    dtype: torch.dtype | None = None,
+    uniforms: torch.Tensor | None = None,
+    all_finished: Callable[[bool], bool] | None = None,
+) -> RolloutBatch:
+    """G sampled completions per problem (consecutive rows), scored by ``scorer``.
+
+    The random draws come from ``uniforms`` (``group_uniforms``, keyed by each group's
+    global index) when given, else from ``generator``.
+    """
+    repeated = [problem for problem in problems for _ in range(group_size)]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [problem.prompt for problem in repeated])
+    was_training = model.training
+    model.eval()
+    completion_ids, completion_mask, logprobs = sample_completions(
+        model,
+        prompt_ids,
+        prompt_mask,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        generator=generator,
+        dtype=dtype,
+        uniforms=uniforms,
+        all_finished=all_finished,
+    )
+    model.train(was_training)
+    completions = decode_completions(tokenizer, completion_ids, completion_mask)
+    rewards = torch.tensor(
+        [scorer(text, problem.answer) for text, problem in zip(completions, repeated, strict=True)],
+        dtype=torch.float32,
+    )
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_mask=completion_mask,
+        rollout_logprobs=logprobs,
+        rewards=rewards,
+        policy_version=policy_version,
+        completions=completions,
+    )
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    model,
+    tokenizer,
+    task,
+    problems: Sequence[Problem],
+    max_new_tokens: int,
+    batch_size: int = 256,
+    all_finished: Callable[[bool], bool] | None = None,
+) -> float:
+    """Fraction of ``problems`` whose greedy completion earns the full reward (>= 1)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, [problem.prompt for problem in chunk])
+        completion_ids, completion_mask, _ = sample_completions(
+            model,
+            prompt_ids,
+            prompt_mask,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            all_finished=all_finished,
+        )
+        texts = decode_completions(tokenizer, completion_ids, completion_mask)
+        for text, problem in zip(texts, chunk, strict=True):
+            with contextlib.suppress(Exception):  # a failing reward counts as wrong
+                correct += float(task.reward(text, problem.answer)) >= 1.0
+    model.train(was_training)
+    return correct / max(len(problems), 1)

@@ -1,0 +1,145 @@
+"""The supervised warm start: teach the task's targets briefly, cache the result.
+
+RL from a random tiny model never sees a reward; a short supervised phase brings it to
+a modest accuracy first. The result is cached under ``<cache>/warmstart/<hash>.safetensors``,
+keyed by everything that determines it (model size, seed, task, steps, learning rate,
+batch size), and written atomically, so a rerun skips the phase.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from .rollout import encode_prompts
+
+WARMSTART_VERSION = 1  # bump when the warm-start recipe changes
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """``cache_dir``, else ``$SOFTTRUST_CACHE``, else ``~/.cache/softtrust``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("SOFTTRUST_CACHE"):
+        return Path(os.environ["SOFTTRUST_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "softtrust"
+
+
+def warmstart_key(**recipe) -> str:
+    text = json.dumps({"version": WARMSTART_VERSION, **recipe}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def supervised_batch(tokenizer, task, problems) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompt + target + EOS, left-padded; labels are -100 on the prompt and padding."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [problem.prompt for problem in problems])
+    targets = [
+        tokenizer(task.target(problem), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for problem in problems
+    ]
+    width = max(len(target) for target in targets)
+    target_ids = torch.full((len(problems), width), tokenizer.pad_token_id, dtype=torch.long)
+    target_mask = torch.zeros((len(problems), width), dtype=torch.long)
+    for row, target in enumerate(targets):
+        target_ids[row, : len(target)] = torch.tensor(target)
+        target_mask[row, : len(target)] = 1
+    input_ids = torch.cat([prompt_ids, target_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, target_mask], dim=1)
+    labels = torch.cat(
+        [torch.full_like(prompt_ids, -100), target_ids.masked_fill(target_mask == 0, -100)], dim=1
+    )
+    return input_ids, attention_mask, labels
+
+
+def supervised_finetune(
+    model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int, exclude=(), progress=None
+) -> None:
+    """``steps`` AdamW steps of cross-entropy on the task's targets (in place)."""
+    from .rollout import ProblemSampler, position_ids_from_mask
+
+    sampler = ProblemSampler(task, seed=seed + 1_000_003, exclude=exclude)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        input_ids, attention_mask, labels = supervised_batch(tokenizer, task, sampler.draw(batch_size))
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+        ).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if progress is not None:
+            progress(step, float(loss))
+    model.eval()
+
+
+def warm_start(
+    model,
+    tokenizer,
+    task,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    key_extra: dict,
+    cache_dir: str | None,
+    exclude=(),
+    progress=None,
+) -> tuple[Path | None, bool]:
+    """Load the cached warm start for this recipe, or train it and cache it atomically.
+
+    Returns:
+        ``(cache_file, loaded_from_cache)``; ``(None, False)`` when ``steps == 0``.
+    """
+    if steps == 0:
+        return None, False
+    key = warmstart_key(task=task.name, steps=steps, lr=lr, batch_size=batch_size, seed=seed, **key_extra)
+    cache_file = cache_root(cache_dir) / "warmstart" / f"{key}.safetensors"
+    if cache_file.is_file():
+        try:
+            load_model(model, str(cache_file))
+            model.eval()
+            return cache_file, True
+        except Exception:
+            cache_file.unlink(missing_ok=True)  # a corrupt cache entry: retrain
+    random_state = random.getstate(), torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        supervised_finetune(
+            model,
+            tokenizer,
+            task,
+            steps=steps,
+            lr=lr,
+            batch_size=batch_size,
+            seed=seed,
+            exclude=exclude,
+            progress=progress,
+        )
+    finally:
+        random.setstate(random_state[0])
+        torch.set_rng_state(random_state[1])
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".safetensors")
+    os.close(descriptor)
+    try:
+        save_model(model, temporary)
+        os.replace(temporary, cache_file)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return cache_file, False

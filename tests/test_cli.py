@@ -1,0 +1,143 @@
+"""``softtrust train`` on the command line: help, YAML + overrides, --model, bad values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from softtrust.cli import build_parser, main
+from softtrust.train.config import TrainConfig, config_from_arguments
+from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+
+torch.set_num_threads(1)
+
+MICRO = TinyModelConfig(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+)
+
+
+def parse(*argv: str) -> TrainConfig:
+    return config_from_arguments(build_parser().parse_args(["train", *argv]))
+
+
+def test_help_documents_every_config_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in TrainConfig.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in text, name
+    for flag in (
+        "--method",
+        "--staleness",
+        "--mode",
+        "--max-lag",
+        "--prompts-per-rollout",
+        "--resume",
+        "--report-to",
+    ):
+        assert flag in text
+
+
+def test_yaml_config_then_flags_override_it(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("method: sapo\nstaleness: 4\nmethod_params: {tau_neg: 1.1}\nlr: 0.001\n")
+    config = parse(
+        "--config",
+        str(path),
+        "--staleness",
+        "16",
+        "--correction",
+        "tis:cap=2",
+        "--lag-schedule",
+        "0,1,2",
+        "--no-progress",
+    )
+    assert config.method == "sapo" and config.method_params == {"tau_neg": 1.1} and config.lr == 0.001
+    assert config.staleness == 16 and config.correction == "tis:cap=2" and config.lag_schedule == [0, 1, 2]
+    assert config.progress is False
+    assert TrainConfig.from_yaml(path).staleness == 4
+    assert parse("--method-params", "eps_high=0.28,eps_low=0.2").method_params == {
+        "eps_high": 0.28,
+        "eps_low": 0.2,
+    }
+    assert parse("--prompts-per-rollout", "12").prompts_per_step == 12
+
+
+@pytest.fixture(scope="module")
+def saved_model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("saved")
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, MICRO, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_train_loads_a_save_pretrained_model_through_model_flag(saved_model_dir, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    output_dir = tmp_path / "run"
+    code = main(
+        ["train", "--model", str(saved_model_dir), "--task", "addition-1digit", "--max-steps", "2", "--staleness", "1",
+         "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "3", "--eval-size", "4", "--eval-every", "0",
+         "--output-dir", str(output_dir), "--no-progress"]
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["method"] == "vespo"
+    # The trained weights are the saved model's shapes (not the embedded default's).
+    trained, original = (
+        load_file(str(output_dir / "final" / "model.safetensors")),
+        load_file(str(saved_model_dir / "model.safetensors")),
+    )
+    assert {name: tensor.shape for name, tensor in trained.items()} == {
+        name: tensor.shape for name, tensor in original.items()
+    }
+    assert "held-out accuracy" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- bad configuration
+def not_a_causal_lm(tmp_path: Path) -> str:
+    from transformers import BertConfig
+
+    directory = tmp_path / "bert"
+    BertConfig(
+        vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8
+    ).save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--method", "ppo2"], "method"),
+        (["--staleness", "0"], "staleness"),
+        (["--max-lag", "-1"], "max_lag"),
+        (["--group-size", "1"], "group_size"),
+        (["--model", "NOT_A_CAUSAL_LM"], "model"),
+        (["--model", "EMPTY_DIRECTORY"], "model"),
+        (["--method-params", "k_pos=2,nonsense=1"], "method_params"),
+        (["--correction", "ipw"], "correction"),
+        (["--mode", "eventually"], "mode"),
+    ],
+)
+def test_bad_configuration_fails_before_any_work_naming_the_field(argv, field, tmp_path, capsys):
+    argv = [
+        {"NOT_A_CAUSAL_LM": not_a_causal_lm(tmp_path), "EMPTY_DIRECTORY": str(tmp_path)}.get(item, item)
+        for item in argv
+    ]
+    output_dir = tmp_path / "run"
+    code = main(["train", *argv, "--output-dir", str(output_dir), "--cache-dir", str(tmp_path / "cache")])
+    assert code == 2
+    message = capsys.readouterr().err
+    assert f"error: {field}:" in message, message
+    assert not output_dir.exists() and not (tmp_path / "cache").exists()  # nothing was started
+
+
+def test_unknown_yaml_field_is_rejected_by_name(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("stalenes: 4\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "stalenes" in capsys.readouterr().err

@@ -1,0 +1,397 @@
+"""The trainer: staleness semantics, async lag, resume, reliability, an end-to-end run.
+
+Every run here uses a very small Qwen2 saved to a temporary directory (``--model``),
+no warm start, and a handful of steps, so the whole file runs in about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from softtrust.train import checkpoint as checkpoint_module
+from softtrust.train import staleness as staleness_module
+from softtrust.train import trainer as trainer_module
+from softtrust.train.checkpoint import find_checkpoint, load_checkpoint
+from softtrust.train.config import TrainConfig
+from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from softtrust.train.trainer import TrainingStopped, train
+
+torch.set_num_threads(1)
+
+MICRO = TinyModelConfig(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+)
+
+
+@pytest.fixture(scope="module")
+def micro_model_dir(tmp_path_factory) -> str:
+    """A ~10k-parameter Qwen2 and the char tokenizer, saved with ``save_pretrained``, plus a
+    JSONL dataset of single-digit sums next to them (``sums.jsonl``)."""
+    directory = tmp_path_factory.mktemp("micro_model")
+    (directory / "sums.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+{j}=", "answer": f"{i + j:02d}"}) + "\n"
+            for i in range(10)
+            for j in range(10)
+        )
+    )
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, MICRO, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def digit_reward(completion: str, answer: str) -> float:
+    """The fraction of digit characters: random weights already earn varied rewards, so
+    group advantages are non-zero from the first step and every update moves the model."""
+    return sum(character.isdigit() for character in completion) / 3
+
+
+def micro_config(model_dir: str, output_dir: Path, **overrides) -> TrainConfig:
+    values = dict(
+        model=model_dir,
+        dataset=str(Path(model_dir) / "sums.jsonl"),
+        reward=f"{__name__}:digit_reward",
+        group_size=4,
+        prompts_per_step=2,
+        max_new_tokens=3,
+        staleness=1,
+        max_steps=4,
+        eval_every=0,
+        eval_size=8,
+        save_every=0,
+        output_dir=str(output_dir),
+        progress=False,
+        lr=1e-2,
+        seed=0,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def model_parameters(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(directory) / "final" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------- 1. staleness semantics
+def test_staleness_four_means_four_steps_per_rollout_on_disjoint_minibatches(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    events = []
+    real_behaviour = staleness_module.behaviour_logprobs
+    real_update = trainer_module.policy_update
+
+    def counting_behaviour(*args, **kwargs):
+        events.append("behaviour")
+        return real_behaviour(*args, **kwargs)
+
+    def counting_update(*args, **kwargs):
+        events.append("update")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(staleness_module, "behaviour_logprobs", counting_behaviour)
+    monkeypatch.setattr(trainer_module, "policy_update", counting_update)
+    config = micro_config(micro_model_dir, tmp_path / "run", staleness=4, max_steps=8, method="clip")
+    train(config)
+    metrics = read_metrics(tmp_path / "run")
+
+    assert [m["rollout/index"] for m in metrics] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [m["rollout/minibatch"] for m in metrics] == [0, 1, 2, 3] * 2
+    rows_per_step = config.prompts_per_step * config.group_size
+    assert [tuple(m["rollout/rows"]) for m in metrics[:4]] == [
+        (i * rows_per_step, (i + 1) * rows_per_step) for i in range(4)
+    ]
+    assert [m["policy_version"] for m in metrics] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert [m["lag"] for m in metrics] == [0, 1, 2, 3] * 2
+    # Behaviour log-probs of a rollout are all computed before its first update, from θ_k.
+    assert events == (["behaviour"] * 4 + ["update"] * 4) * 2
+    # The first mini-batch of each rollout is on-policy; the later ones are not.
+    for m in metrics:
+        on_policy = m["loss/ratio/min"] == 1.0 and m["loss/ratio/max"] == 1.0
+        assert on_policy == (m["rollout/minibatch"] == 0), m
+
+
+@pytest.mark.parametrize("method", ["clip", "vespo"])
+def test_staleness_one_is_on_policy_every_ratio_is_exactly_one(micro_model_dir, tmp_path, method):
+    train(micro_config(micro_model_dir, tmp_path / "run", staleness=1, max_steps=4, method=method))
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 4
+    for m in metrics:
+        assert m["loss/ratio/min"] == 1.0 and m["loss/ratio/max"] == 1.0
+        assert m["kl_behaviour"] == 0.0
+        assert m["lag"] == 0
+    # ... while the model did move (the ratios are 1 because old == current, not by accident).
+    assert any(m["grad_norm"] > 0 for m in metrics)
+
+
+# ---------------------------------------------------------------------- 2. asynchronous lag
+def test_async_fixed_lag_schedule_bounds_lag_and_uses_generation_logprobs(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    seen = []
+    real_update = trainer_module.policy_update
+
+    def spy(model, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs):
+        # The behaviour log-probs are the worker's own, recorded while sampling ...
+        assert minibatch.old_logprobs is minibatch.batch.rollout_logprobs
+        # ... and they are the lagged weights' numbers, not the current learner's.
+        with torch.no_grad():
+            current = trainer_module.sequence_logprobs(
+                model,
+                minibatch.batch.input_ids,
+                minibatch.batch.attention_mask,
+                minibatch.batch.completion_length,
+            )
+        mask = minibatch.batch.completion_mask.bool()
+        seen.append((minibatch.lag, float((current - minibatch.old_logprobs)[mask].abs().max())))
+        return real_update(model, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_update", spy)
+    config = micro_config(
+        micro_model_dir, tmp_path / "run", mode="async", max_lag=2, lag_schedule=[0, 3, 1, 2], max_steps=8
+    )
+    train(config)
+    metrics = read_metrics(tmp_path / "run")
+    expected = [min([0, 3, 1, 2][step % 4], 2, step) for step in range(8)]
+    assert [m["lag"] for m in metrics] == expected
+    assert max(m["lag"] for m in metrics) <= config.max_lag
+    assert [m["policy_version"] for m in metrics] == [step - lag for step, lag in enumerate(expected)]
+    grad_norms = [m["grad_norm"] for m in metrics]
+    for step, (lag, difference) in enumerate(seen):
+        if lag == 0:
+            assert difference < 1e-4  # same weights: equal up to kernel rounding
+        elif any(norm > 0 for norm in grad_norms[step - lag : step]):
+            assert difference > 1e-3  # stale weights: the recorded numbers differ from the learner's
+    assert sum(lag > 0 and difference > 1e-3 for lag, difference in seen) >= 4
+
+
+def test_async_worker_thread_never_exceeds_max_lag(micro_model_dir, tmp_path):
+    config = micro_config(micro_model_dir, tmp_path / "run", mode="async", max_lag=1, max_steps=8)
+    train(config)
+    metrics = read_metrics(tmp_path / "run")
+    lags = [m["lag"] for m in metrics]
+    assert len(lags) == 8 and max(lags) <= 1 and min(lags) >= 0
+    assert [m["policy_version"] for m in metrics] == [m["step"] - 1 - m["lag"] for m in metrics]
+
+
+def test_bf16_rollout_mismatch_feeds_the_correction_weights(micro_model_dir, tmp_path):
+    # N = 1: the learner's ratio is exactly 1, but the bf16 sampler's log-probs differ from the
+    # fp32 learner's, so the truncated-IS weight pi_old / pi_rollout is not 1.
+    config = micro_config(
+        micro_model_dir, tmp_path / "run", mismatch="bf16", correction="tis:cap=2", method="clip", max_steps=2
+    )
+    train(config)
+    for m in read_metrics(tmp_path / "run"):
+        assert m["loss/ratio/min"] == 1.0 and m["loss/ratio/max"] == 1.0
+        assert m["loss/is_weight/max"] - m["loss/is_weight/min"] > 1e-3
+    train(config.replace(mismatch="none", output_dir=str(tmp_path / "exact")))
+    for m in read_metrics(tmp_path / "exact"):
+        # Same numerics: the sampler and the learner agree up to kernel rounding.
+        assert abs(m["loss/is_weight/min"] - 1) < 1e-4 and abs(m["loss/is_weight/max"] - 1) < 1e-4
+
+
+# ---------------------------------------------------------------------- 3. resume and killed saves
+def test_resume_mid_rollout_equals_straight_run(micro_model_dir, tmp_path):
+    # N = 3 and k = 4: the checkpoint falls inside a rollout, so pending mini-batches must be saved.
+    common = dict(staleness=3, method="vespo")
+    train(micro_config(micro_model_dir, tmp_path / "straight", max_steps=8, **common))
+    train(micro_config(micro_model_dir, tmp_path / "resumed", max_steps=4, **common))
+    train(
+        micro_config(
+            micro_model_dir, tmp_path / "resumed", max_steps=8, resume=str(tmp_path / "resumed"), **common
+        )
+    )
+
+    straight, resumed = model_parameters(tmp_path / "straight"), model_parameters(tmp_path / "resumed")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=1e-6)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 9))
+    assert [m["reward/mean"] for m in read_metrics(tmp_path / "resumed")] == [
+        m["reward/mean"] for m in read_metrics(tmp_path / "straight")
+    ]
+
+
+def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import os, torch
+        from softtrust.train import checkpoint
+        from softtrust.train.config import TrainConfig
+        from softtrust.train.trainer import train
+
+        real_save, calls = torch.save, []
+        def dying_save(obj, path, *args, **kwargs):
+            calls.append(path)
+            if len(calls) == 2:  # the second checkpoint: die half-way through writing it
+                with open(path, "wb") as handle:
+                    handle.write(b"partial")
+                os._exit(9)
+            return real_save(obj, path, *args, **kwargs)
+        checkpoint.torch.save = dying_save
+        train(TrainConfig(model={micro_model_dir!r}, task="addition-1digit", group_size=2, prompts_per_step=2,
+                          max_new_tokens=3, staleness=1, max_steps=6, eval_every=0, eval_size=8, save_every=2,
+                          output_dir={str(output_dir)!r}, progress=False))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 9, result.stderr[-2000:]
+    found = find_checkpoint(output_dir)
+    assert found.name == "step-000002"
+    model = build_tiny_model(build_char_tokenizer(), MICRO, seed=123)
+    state = load_checkpoint(found, model)
+    assert state["step"] == 2
+    # ... and the run resumes from it to the end.
+    summary = train(micro_config(micro_model_dir, output_dir, max_steps=4, resume=str(output_dir)))
+    assert summary["steps"] == 4
+    assert not list((output_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_checkpoint_loads_with_weights_only(micro_model_dir, tmp_path):
+    train(micro_config(micro_model_dir, tmp_path / "run", staleness=2, max_steps=3))
+    checkpoint = find_checkpoint(tmp_path / "run")
+    state = torch.load(checkpoint / checkpoint_module.STATE_FILE, weights_only=True)
+    assert (
+        state["step"] == 3 and len(state["rollouts"]["pending"]) == 1
+    )  # one mini-batch of rollout 2 pending
+
+
+# ---------------------------------------------------------------------- reliability
+def test_nonfinite_losses_are_skipped_then_stop_with_a_loadable_checkpoint(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    real_build = trainer_module.build_method_loss
+
+    def poisoned_build(config):
+        loss_fn = real_build(config)
+
+        def poisoned(logprobs, *args, **kwargs):
+            out = loss_fn(logprobs, *args, **kwargs)
+            out.loss = out.loss * float("nan")
+            return out
+
+        return poisoned
+
+    monkeypatch.setattr(trainer_module, "build_method_loss", poisoned_build)
+    config = micro_config(micro_model_dir, tmp_path / "run", max_steps=10, max_nonfinite=3)
+    before = model_parameters_from_dir(micro_model_dir)
+    with pytest.raises(TrainingStopped, match="3 non-finite"):
+        train(config)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["skipped"] for m in metrics] == [1, 1, 1]
+    assert metrics[-1]["nonfinite_skips"] == 3
+    model = build_tiny_model(build_char_tokenizer(), MICRO, seed=99)
+    state = load_checkpoint(find_checkpoint(tmp_path / "run"), model)
+    assert state["step"] == 3
+    for name, tensor in model.state_dict().items():  # no update was applied
+        if name in before:
+            torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+
+
+def model_parameters_from_dir(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+def flaky_reward(completion: str, answer: str):
+    """A user reward that raises on some completions and returns a non-number on others."""
+    if completion.startswith("1"):
+        raise RuntimeError("boom")
+    if completion.startswith("0"):
+        return "not a number"
+    return float(completion == answer)
+
+
+def test_failing_reward_scores_zero_is_counted_and_strict_mode_raises(micro_model_dir, tmp_path):
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": f"{2 * i:02d}"}) + "\n" for i in range(10))
+    )
+    # Random weights emit every character: some completions start with 0 or 1.
+    config = micro_config(
+        micro_model_dir,
+        tmp_path / "run",
+        dataset=str(dataset),
+        reward=f"{__name__}:flaky_reward",
+        group_size=8,
+        prompts_per_step=4,
+        max_steps=3,
+    )
+    summary = train(config)
+    assert summary["reward_failures"] > 0
+    assert all(m["reward/mean"] >= 0 for m in read_metrics(tmp_path / "run"))
+    with pytest.raises((RuntimeError, TypeError)):
+        train(config.replace(output_dir=str(tmp_path / "strict"), strict_reward=True))
+
+
+# ---------------------------------------------------------------------- outputs and --model
+def test_run_directory_holds_config_metrics_checkpoints_final_summary_and_plot(micro_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    summary = train(
+        micro_config(micro_model_dir, tmp_path / "run", max_steps=3, save_every=2, report_to="tensorboard")
+    )
+    run = tmp_path / "run"
+    assert TrainConfig.from_yaml(run / "config.yaml").max_steps == 3
+    assert len(read_metrics(run)) == 3
+    assert (run / "reward_curve.png").stat().st_size > 0
+    assert find_checkpoint(run).name == "step-000003"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    saved = json.loads((run / "summary.json").read_text())
+    for key in ("accuracy_before", "accuracy_after", "steps", "method", "staleness", "wall_seconds"):
+        assert key in saved
+    assert saved == json.loads(json.dumps(summary))
+    model = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(run / "final", local_files_only=True)
+    assert model.config.model_type == "qwen2" and tokenizer.eos_token == "</s>"
+
+
+# ---------------------------------------------------------------------- 4. learning
+def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
+    """The embedded tiny Qwen2 on single-digit addition, after a 100-step warm start (cached
+    in a temporary directory): 60 on-policy steps of VESPO raise the mean reward of the last
+    10 steps above the first 10 by at least 0.08 (measured: seed 0 0.44 -> 0.56, seed 1
+    0.46 -> 0.61)."""
+    config = TrainConfig(
+        task="addition-1digit",
+        sft_steps=100,
+        cache_dir=str(tmp_path / "cache"),
+        group_size=8,
+        prompts_per_step=16,
+        max_new_tokens=3,
+        staleness=1,
+        max_steps=60,
+        lr=5e-4,
+        eval_every=0,
+        eval_size=16,
+        output_dir=str(tmp_path / "run"),
+        progress=False,
+        seed=0,
+    )
+    train(config)
+    rewards = [m["reward/mean"] for m in read_metrics(tmp_path / "run")]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.08, (first, last)
+    assert list((tmp_path / "cache" / "warmstart").glob("*.safetensors"))  # the warm start was cached
