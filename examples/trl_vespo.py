@@ -1,0 +1,93 @@
+"""VESPO inside TRL's GRPOTrainer: TRL's machinery, softtrust's loss. Runs on CPU in seconds.
+
+    python examples/trl_vespo.py
+
+The tiny embedded model (``softtrust.train.tiny``, random weights, built locally) learns
+nothing much in four steps; the point is the wiring. ``from_trl_config(args)`` turns
+``loss_type="vespo"`` into ``st.PolicyLoss(st.VESPO(), level="sequence-sum")``, which
+reproduces TRL's own VESPO step for step (``tests/test_trl_integration.py``), and logs
+softtrust's metrics (``softtrust/phi/mean``, ``softtrust/ess``, ...) next to TRL's.
+
+To train a real model with vLLM, change the lines marked ``REAL:`` (docs/trl.md).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import torch
+from datasets import Dataset
+from transformers import PrinterCallback
+from trl import GRPOConfig
+
+from softtrust.integrations.trl import SoftTrustGRPOTrainer, from_trl_config
+from softtrust.train.tasks import SingleDigitAdditionTask
+from softtrust.train.tiny import build_char_tokenizer, build_tiny_model
+
+TASK = SingleDigitAdditionTask()  # "3+4=" -> "07"
+
+
+def addition_reward(completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """The task's reward (1 for the exact sum, partial credit per correct digit) plus a small
+    bonus for writing digits at all, so that a random tiny model gets a signal from step 1.
+    TRL passes the dataset's ``answer`` column as a keyword argument."""
+    return [
+        TASK.reward(completion, target) + 0.1 * sum(c.isdigit() for c in completion) / max(len(completion), 1)
+        for completion, target in zip(completions, answer, strict=True)
+    ]
+
+
+def main(max_steps: int = 4) -> SoftTrustGRPOTrainer:
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    problems = [TASK.sample(rng) for _ in range(64)]
+    dataset = Dataset.from_dict(
+        {"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]}
+    )
+
+    # REAL: model, tokenizer = "Qwen/Qwen3-1.7B", None   (a Hub id or a local path; TRL loads both)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer)
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="softtrust-trl-vespo-"),  # REAL: your output directory
+        loss_type="vespo",  # (k, λ) = (2, 3) for A >= 0, (3, 2) for A < 0: vespo_k_pos, vespo_lambda_pos, ...
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,  # REAL: e.g. 2048
+        gradient_accumulation_steps=2,
+        steps_per_generation=8,  # one rollout feeds 4 optimizer steps: 3 of them off-policy
+        max_steps=max_steps,
+        learning_rate=3e-3,  # REAL: e.g. 1e-6
+        logging_steps=1,
+        use_cpu=True,  # REAL: remove, and add bf16=True
+        # REAL: use_vllm=True, vllm_mode="colocate",
+        #       vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+        #       vllm_importance_sampling_clip_max=3.0,   (VESPO folds this TIS weight into W)
+        report_to="none",  # REAL: e.g. "wandb" or "tensorboard": softtrust/* metrics go there too
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = SoftTrustGRPOTrainer(
+        model=model,
+        reward_funcs=addition_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        policy_loss=from_trl_config(args),  # the default; shown for clarity
+    )
+    trainer.remove_callback(PrinterCallback)  # print our own summary below instead of TRL's raw dicts
+    print(trainer.policy_loss)
+    trainer.train()
+    for entry in trainer.state.log_history:
+        if "loss" in entry and "softtrust/phi/mean" in entry:
+            print(
+                f"step {entry['step']}: loss {entry['loss']:+.4f}  phi {entry['softtrust/phi/mean']:.3f}  "
+                f"ratio [{entry['softtrust/ratio/min']:.3f}, {entry['softtrust/ratio/max']:.3f}]  "
+                f"ess {entry['softtrust/ess']:.3f}  entropy {entry['entropy']:.3f}"
+            )
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
