@@ -7,6 +7,7 @@ from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advant
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import MIS, OPSM, TIS
 from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
+from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.loss import LossOutput, PolicyLoss
 from softtrust.methods import (
     CFPO,
@@ -57,9 +58,11 @@ __all__ = [
     "PolicyLoss",
     "aggregate",
     "aggregation_weights",
+    "completion_logprobs",
     "group_advantages",
     "kl_estimate",
     "make_method",
     "register_method",
     "rloo_advantages",
+    "token_logprobs",
 ]
