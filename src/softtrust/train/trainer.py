@@ -272,10 +272,8 @@ def behaviour_kl(
     """Token-mean k3 estimate of KL(behaviour || current) on the sampled tokens (all ranks')."""
     world = world or World()
     mask = mask.bool()
-    log_ratio = torch.where(
-        mask, (logprobs - old_logprobs).clamp(-20, 20), torch.zeros_like(logprobs)
-    )  # [b, T]
-    k3 = log_ratio.exp() - 1 - log_ratio  # [b, T], >= 0
+    # k3 with d = log(π/μ) on samples from μ: e^d - 1 - d, the library's estimator with the roles swapped
+    k3 = torch.where(mask, st.kl_estimate(old_logprobs, logprobs, "k3"), 0)  # [b, T], >= 0
     if not world.distributed:
         return float(k3[mask].mean()) if mask.any() else 0.0
     tokens = world.sum(mask.sum())
