@@ -206,41 +206,39 @@ class PolicyLoss:
         gradient (tests check it for every method, level, aggregation and correction).
         """
         method, clamp, mask, num_active = self.method, self.log_ratio_clamp, batch.mask, batch.num_active
-        with torch.no_grad():
-            tok_log_ratio = batch.logprobs.detach() - batch.old  # [B, T], unmasked
-            others = [x for x in (batch.rollout, batch.advantages) if x is not None and x.shape[-1] != 1]
-            if not _finite_sums([tok_log_ratio, *others]):
-                return None
-            tok_log_ratio = tok_log_ratio.clamp_(-clamp, clamp)
-            seq_log_weight = None
-            if self.level == "token":
-                log_ratio = tok_log_ratio
+        # Every tensor until the contraction is detached: no autograd graph is recorded.
+        tok_log_ratio = batch.logprobs.detach() - batch.old  # [B, T], unmasked
+        others = [x for x in (batch.rollout, batch.advantages) if x is not None and x.shape[-1] != 1]
+        if not _finite_sums([tok_log_ratio, *others]):
+            return None
+        tok_log_ratio = tok_log_ratio.clamp_(-clamp, clamp)
+        seq_log_weight = None
+        if self.level == "token":
+            log_ratio = tok_log_ratio
+        else:
+            seq_log_weight = torch.linalg.vecdot(tok_log_ratio, mask).unsqueeze(-1)  # [B, 1]: Σ_t m·log r_t
+            if self.level == "sequence-sum":
+                log_ratio = seq_log_weight.clamp(-clamp, clamp)
             else:
-                seq_log_weight = torch.linalg.vecdot(tok_log_ratio, mask).unsqueeze(
-                    -1
-                )  # [B, 1]: Σ_t m·log r_t
-                if self.level == "sequence-sum":
-                    log_ratio = seq_log_weight.clamp(-clamp, clamp)
-                else:
-                    log_ratio = seq_log_weight / num_active.clamp(min=1)
-            log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
-            weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
-            coef = -(weight * batch.advantages)  # [B, 1] or [B, T]
-            if is_log_weight is not None and not method.folds_correction:
-                coef = coef * torch.exp(is_log_weight)
-            keep = self._opsm_keep(batch)
-            if keep is not None:
-                coef = coef * as_float(keep, coef.dtype)
-                stats = {**stats, "opsm/dropped": ~keep}
-            agg_weight = aggregation_weights(
-                mask,
-                self.aggregation,
-                max_completion_length=self.max_completion_length,
-                num_active=num_active,
-                **normalisers,
-            )
-            coef = (coef * agg_weight).expand(mask.shape[0], -1)  # [B, 1] or [B, T]
-        loss = _LinearInLogprobs.apply(batch.raw_logprobs, coef, mask)
+                log_ratio = seq_log_weight / num_active.clamp(min=1)
+        log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
+        weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
+        coef = -(weight * batch.advantages)  # [B, 1] or [B, T]
+        if is_log_weight is not None and not method.folds_correction:
+            coef = coef * torch.exp(is_log_weight)
+        keep = self._opsm_keep(batch)
+        if keep is not None:
+            coef = coef * as_float(keep, coef.dtype)
+            stats = {**stats, "opsm/dropped": ~keep}
+        agg_weight = aggregation_weights(
+            mask,
+            self.aggregation,
+            max_completion_length=self.max_completion_length,
+            num_active=num_active,
+            **normalisers,
+        )
+        coef = (coef * agg_weight).expand(mask.shape[0], -1)  # [B, 1] or [B, T]
+        loss = _linear_in_logprobs(batch.logprobs, coef, mask)
         metrics = {}
         if self.compute_metrics:
             if seq_log_weight is None:
@@ -313,7 +311,6 @@ class PolicyLoss:
             advantages = advantages.unsqueeze(-1)  # [B, 1]
         old, rollout, ref = (x.detach().to(dtype) if x is not None else None for x in named.values())
         return _Batch(
-            raw_logprobs=logprobs,
             logprobs=_upcast_saturating_grad(logprobs, dtype),
             old=old,
             advantages=advantages,
@@ -328,7 +325,6 @@ class PolicyLoss:
 class _Batch(NamedTuple):
     """Checked inputs in the compute dtype; ``zeroed``: every masked entry replaced by exactly 0."""
 
-    raw_logprobs: torch.Tensor  # [B, T] as the caller gave it (for the fused path's own upcast)
     logprobs: torch.Tensor  # [B, T] compute dtype, differentiable
     old: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, 1] or [B, T]
@@ -356,31 +352,15 @@ def _zero_masked_positions(batch: _Batch, zero_masked) -> _Batch:
     )
 
 
-class _LinearInLogprobs(torch.autograd.Function):
+def _linear_in_logprobs(logprobs: torch.Tensor, coef: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``L = Σ_{b,t} m_bt·c_bt·logp_bt`` for a detached coefficient ``c`` ([B, 1] or [B, T]).
 
-    Forward: one reduction (``vecdot`` fuses the multiply and the sum). Backward: one
-    multiply, ``∂L/∂logp = g·m·c``, saturated at the input dtype's largest finite
-    value (as in :class:`_UpcastSaturatingGrad`).
+    Forward: one reduction (``vecdot`` fuses the multiply and the sum over T), then a
+    [B]-sized dot. Backward (autograd): one multiply, ``∂L/∂logp = g·c·m``.
     """
-
-    @staticmethod
-    def forward(ctx, logprobs: torch.Tensor, coef: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(coef, mask)
-        ctx.input_dtype = logprobs.dtype
-        values = logprobs.detach().to(coef.dtype)  # [B, T]
-        if coef.shape[-1] == 1:
-            return torch.dot(torch.linalg.vecdot(values, mask), coef.view(-1))  # Σ_b c_b·Σ_t m·logp
-        return torch.linalg.vecdot(values, mask * coef).sum()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        coef, mask = ctx.saved_tensors
-        grad_logprobs = mask * (coef * grad)  # [B, T]
-        if ctx.input_dtype != grad_logprobs.dtype:
-            largest = torch.finfo(ctx.input_dtype).max
-            grad_logprobs = grad_logprobs.clamp(-largest, largest).to(ctx.input_dtype)
-        return grad_logprobs, None, None
+    if coef.shape[-1] == 1:
+        return torch.dot(torch.linalg.vecdot(logprobs, mask), coef.view(-1))  # Σ_b c_b·Σ_t m·logp
+    return torch.linalg.vecdot(logprobs, mask * coef).sum()
 
 
 def _all_finite(batch: _Batch) -> bool:

@@ -14,6 +14,7 @@ else changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -115,7 +116,16 @@ class DetachedWeightMethod(Method):
 
 def _select(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
     """``where(condition, a, b)`` for two Python floats, in ``like``'s dtype (a bare float pair gives float32)."""
-    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+    a, b = _scalar_pair(if_true, if_false, like.dtype, like.device)
+    return torch.where(condition, a, b)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_pair(
+    a: float, b: float, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 0-dim constant tensors, cached: building them costs more than the op that uses them."""
+    return torch.tensor(a, dtype=dtype, device=device), torch.tensor(b, dtype=dtype, device=device)
 
 
 _SUM_LEVEL_NOTE = (
