@@ -107,6 +107,30 @@ def test_fp32_values_entropy_and_grads_match_float64_unfused(chunk_size, vocab_c
         )
 
 
+@pytest.mark.parametrize(("chunk_size", "vocab_chunk_size"), [(None, None), (7, 13), (3, 1), (100, V)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fp32_logprob_only_path_matches_float64_unfused(chunk_size, vocab_chunk_size, temperature):
+    hidden, weight, bias, labels = make_inputs()
+    fused = leaves(hidden, weight, bias)
+    oracle = leaves(hidden, weight, bias, dtype=torch.float64)
+    logprobs = token_logprobs(
+        fused[0],
+        fused[1],
+        labels,
+        bias=fused[2],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+    )
+    ref_logprobs = reference(*oracle, labels, temperature)[0]
+    torch.testing.assert_close(logprobs.double(), ref_logprobs, **FP32_TOL)
+    grad_logp = upstream(labels.shape)[0]
+    (logprobs * grad_logp).sum().backward()
+    (ref_logprobs * grad_logp).sum().backward()
+    for got, expected in zip(fused, oracle, strict=True):
+        torch.testing.assert_close(got.grad.double(), expected.grad, **FP32_TOL)
+
+
 def test_fp32_without_bias_matches_float64_unfused():
     fused, oracle = fused_and_reference(temperature=1.3, chunk_size=6, vocab_chunk_size=17, use_bias=False)
     for got, expected in zip(fused, oracle, strict=True):
@@ -230,16 +254,19 @@ def test_3d_inputs_match_the_flattened_computation():
 
 
 def test_large_logit_offsets_stay_accurate():
-    # A bias of +1000 on every entry: logsumexp and E[z] are both ~1000; the entropy is
-    # accumulated relative to the running max, so it does not lose digits to cancellation.
+    # A bias of +1000 on every entry: logsumexp and E[z] are both ~1000 (fp32 ulp 6e-5).
+    # The entropy is accumulated relative to the running max, so it loses no digits to
+    # cancellation; the log-probs carry the ulp of the logits, as the unfused path does.
     hidden, weight, bias, labels = make_inputs()
     shifted_bias = bias + 1000.0
+    ref_logprobs, ref_entropy = reference(hidden.double(), weight.double(), bias.double(), labels)
     logprobs, entropy = token_logprobs(
         hidden, weight, labels, bias=shifted_bias, vocab_chunk_size=10, with_entropy=True
     )
-    ref_logprobs, ref_entropy = reference(hidden.double(), weight.double(), bias.double(), labels)
     torch.testing.assert_close(logprobs.double(), ref_logprobs, atol=1e-3, rtol=0)
     torch.testing.assert_close(entropy.double(), ref_entropy, atol=1e-4, rtol=0)
+    logprobs_only = token_logprobs(hidden, weight, labels, bias=shifted_bias, vocab_chunk_size=10)
+    torch.testing.assert_close(logprobs_only.double(), ref_logprobs, atol=1e-3, rtol=0)
 
 
 def test_logprob_only_and_entropy_only_gradients_match():

@@ -31,17 +31,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from softtrust._validation import check_number, check_shape
 
 IGNORE_INDEX = -100
-# One tile holds this many logits: 4 Mi entries, 16 MiB in fp32, next to N x V for the
-# unfused path. On CPU the tile shape barely changes GEMM throughput (measured on an
-# EPYC: 1024 x 4096 tiles run as fast as one big GEMM); on GPU a larger ``chunk_size``
-# amortises kernel launches.
-TILE_ELEMENTS = 1 << 22
+# One tile holds this many logits: 8 Mi entries, 32 MiB in fp32, next to N x V for the
+# unfused path. Every op on a tile pays a fixed cost (thread synchronisation on CPU, a
+# kernel launch on GPU), so tiles are as large as the memory budget allows; the tile
+# shape barely changes GEMM throughput (1024 x 8192 runs as fast as one big GEMM).
+TILE_ELEMENTS = 1 << 23
 # Vocabularies larger than this are split into chunks folded by the online log-sum-exp.
-DEFAULT_VOCAB_CHUNK_SIZE = 4096
+DEFAULT_VOCAB_CHUNK_SIZE = 8192
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
@@ -198,21 +199,25 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         # Entropy is often only logged: let its gradient arrive as None instead of zeros.
         ctx.set_materialize_grads(False)
         acc_dtype = _accumulation_dtype(gemm_dtype)
-        state = _OnlineLogSumExp.empty(hidden.shape[0], acc_dtype, hidden.device, with_entropy)
+        state_type = _OnlineLogSumExpEntropy if with_entropy else _OnlineLogSumExp
+        state = state_type.empty(hidden.shape[0], acc_dtype, hidden.device)
+        workspace = _Workspace(hidden.device)
         with _autocast_off(hidden.device):
             for v0, v1 in _spans(weight.shape[0], vocab_chunk):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
                 bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
                 for n0, n1 in _spans(hidden.shape[0], token_chunk):
-                    raw = hidden[n0:n1].to(gemm_dtype) @ weight_chunk.T  # [n, v] in gemm_dtype
-                    logits = _scaled_logits(raw, bias_chunk, inv_temperature, acc_dtype)  # [n, v]
-                    state.fold(logits, labels[n0:n1] - v0, n0, n1, first=v0 == 0)
+                    logits = _logits_tile(
+                        hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
+                    )  # [n, v]
+                    state.fold(logits, labels[n0:n1] - v0, n0, n1, first=v0 == 0, workspace=workspace)
         log_normalizer, logprobs, entropy = state.finish()  # [M] each
         ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy)
         ctx.config = (inv_temperature, token_chunk, vocab_chunk, gemm_dtype)
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
         hidden, weight, bias, labels, log_normalizer, entropy = ctx.saved_tensors
         inv_temperature, token_chunk, vocab_chunk, gemm_dtype = ctx.config
@@ -220,13 +225,21 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         acc_dtype = log_normalizer.dtype
         grad_logprobs = None if grad_logprobs is None else grad_logprobs.to(acc_dtype)  # [M]
         grad_entropy = None if grad_entropy is None else grad_entropy.to(acc_dtype)  # [M]
+        # Σ_c tile_c @ W_c, scaled by row_scale at the end (the scale is the same in every chunk).
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=acc_dtype) if needs_hidden else None  # [M, d]
         # No zero fill: every vocabulary chunk of the weight gradient is written exactly once.
         grad_weight = torch.empty_like(weight) if needs_weight else None  # [V, d]
         grad_bias = bias.new_zeros(bias.shape, dtype=acc_dtype) if needs_bias else None  # [V]
-        has_upstream = grad_logprobs is not None or grad_entropy is not None
-        token_spans = list(_spans(hidden.shape[0], token_chunk)) if has_upstream else []
+        if grad_logprobs is None and grad_entropy is None:
+            if grad_weight is not None:
+                grad_weight.zero_()
+            return _grads_out(grad_hidden, grad_weight, grad_bias, hidden, bias)
 
+        row_scale = _row_scale(grad_logprobs, grad_entropy, inv_temperature, log_normalizer)  # [M]
+        # dWᵀ's right operand, row_scale ⊙ h, formed once for all vocabulary chunks.
+        scaled_hidden = (hidden * row_scale.unsqueeze(1)).to(gemm_dtype) if needs_weight else None  # [M, d]
+        token_spans = list(_spans(hidden.shape[0], token_chunk))
+        workspace = _Workspace(hidden.device)
         with _autocast_off(hidden.device):
             for v0, v1 in _spans(weight.shape[0], vocab_chunk):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
@@ -237,30 +250,54 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                         grad_weight[v0:v1], acc_dtype, terms=len(token_spans)
                     )  # [v, d]
                 for n0, n1 in token_spans:
-                    hidden_chunk = hidden[n0:n1].to(gemm_dtype)  # [n, d]
-                    raw = hidden_chunk @ weight_chunk.T  # [n, v] recomputed, in gemm_dtype
-                    grad_tile, row_scale = _logits_grad_tile(
-                        raw,
-                        bias_chunk,
-                        inv_temperature,
+                    logits = _logits_tile(
+                        hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
+                    )  # [n, v] recomputed
+                    grad_tile = _logits_grad_tile(
+                        logits,
                         labels[n0:n1] - v0,
                         log_normalizer[n0:n1],
                         entropy[n0:n1],
                         None if grad_logprobs is None else grad_logprobs[n0:n1],
                         None if grad_entropy is None else grad_entropy[n0:n1],
-                    )  # [n, v], [n]: dz = row_scale[:, None] * grad_tile
+                        workspace,
+                    )  # [n, v]: dz = row_scale[:, None] * grad_tile
                     if grad_bias is not None:
-                        grad_bias[v0:v1] += grad_tile.T @ row_scale  # [v]
-                    grad_tile = grad_tile.to(gemm_dtype)  # [n, v]
+                        grad_bias[v0:v1] += grad_tile.T @ row_scale[n0:n1]  # [v]
+                    if gemm_dtype != acc_dtype:
+                        # The GEMM output tile is free again: reuse it for the bf16 copy.
+                        grad_tile = workspace.tile("gemm", *grad_tile.shape, gemm_dtype).copy_(grad_tile)
                     if grad_hidden is not None:
-                        product = grad_tile @ weight_chunk  # [n, d]
-                        grad_hidden[n0:n1].addcmul_(product, row_scale.unsqueeze(1))  # += dz @ W
+                        _add_matmul(grad_hidden[n0:n1], grad_tile, weight_chunk)  # [n, d]
                     if grad_weight_rows is not None:
-                        scaled_hidden = (hidden_chunk * row_scale.unsqueeze(1)).to(gemm_dtype)  # [n, d]
-                        grad_weight_rows.add(grad_tile.T, scaled_hidden)  # += dzᵀ @ h  [v, d]
+                        grad_weight_rows.add(grad_tile.T, scaled_hidden[n0:n1])  # += dzᵀ @ h  [v, d]
                 if grad_weight_rows is not None:
                     grad_weight_rows.close()
+        if grad_hidden is not None:
+            grad_hidden.mul_(row_scale.unsqueeze(1))  # dh = row_scale ⊙ Σ_c tile_c @ W_c
         return _grads_out(grad_hidden, grad_weight, grad_bias, hidden, bias)
+
+
+class _Workspace:
+    """Tile-sized buffers reused from tile to tile.
+
+    A fresh tile-sized tensor per op costs page faults on CPU (large allocations go
+    straight to ``mmap``), about as much as the op itself; every tile op here writes
+    into one of these buffers instead. The first tile is the largest, so each buffer
+    is allocated once per forward or backward.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def tile(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous [rows, cols] view of the buffer ``name`` (contents undefined)."""
+        numel = rows * cols
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            buffer = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buffer[:numel].view(rows, cols)
 
 
 class _GemmSum:
@@ -297,112 +334,162 @@ class _GemmSum:
 
 @dataclass
 class _OnlineLogSumExp:
-    """Per-row running statistics of the logits seen so far, folded one vocabulary chunk at a time.
+    """Running ``L = logsumexp(z)`` per row and the label logit ``z_y``, one vocabulary chunk at a time.
+
+    Log-probs only: each tile's log-sum-exp (max-shifted, in place) is merged into the
+    running value with ``logaddexp`` (the online log-sum-exp).
+    """
+
+    log_normalizer: torch.Tensor  # [M]
+    target: torch.Tensor  # [M]
+
+    @classmethod
+    def empty(cls, rows: int, dtype: torch.dtype, device: torch.device) -> _OnlineLogSumExp:
+        return cls(*(torch.zeros(rows, dtype=dtype, device=device) for _ in range(2)))
+
+    def fold(
+        self,
+        logits: torch.Tensor,
+        local_labels: torch.Tensor,
+        n0: int,
+        n1: int,
+        first: bool,
+        workspace: _Workspace,
+    ) -> None:
+        """Fold one [n, v] tile (rows n0:n1) into the statistics; ``logits`` is overwritten."""
+        _pick_label_logits(self.target[n0:n1], logits, local_labels)
+        chunk_max = logits.amax(1)  # [n]
+        # log Σ e^z = m + log Σ e^{z-m}: shifting by the max keeps exp from overflowing.
+        chunk_lse = chunk_max + logits.sub_(chunk_max.unsqueeze(1)).exp_().sum(1).log()  # [n]
+        running = self.log_normalizer[n0:n1]  # [n]
+        running.copy_(chunk_lse if first else torch.logaddexp(running, chunk_lse))
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logsumexp, log p_y, empty)`` per row."""
+        logprobs = self.target - self.log_normalizer  # [M]
+        return self.log_normalizer, logprobs, self.log_normalizer.new_empty(0)
+
+
+@dataclass
+class _OnlineLogSumExpEntropy:
+    """Running max, sums and label logit per row for log-probs and entropy, one vocabulary chunk at a time.
 
     With ``m`` the running max (an exact logit value): ``sum_exp = Σ e^{z_j - m}``,
-    ``shifted_dot = Σ e^{z_j - m} (z_j - m)`` (entropy only) and ``target = z_y``.
-    Then ``logsumexp = m + log sum_exp`` and ``H = log sum_exp - shifted_dot / sum_exp``.
+    ``shifted_dot = Σ e^{z_j - m} (z_j - m)`` and ``target = z_y``. Then
+    ``logsumexp = m + log sum_exp`` and ``H = log sum_exp - shifted_dot / sum_exp``.
     Everything stays relative to ``m`` (``z - m`` is exact), so large logits lose no
     digits: forming ``logsumexp - E[z]`` instead would cancel.
     """
 
     max: torch.Tensor  # [M]
     sum_exp: torch.Tensor  # [M]
-    shifted_dot: torch.Tensor | None  # [M]
+    shifted_dot: torch.Tensor  # [M]
     target: torch.Tensor  # [M]
 
     @classmethod
-    def empty(
-        cls, rows: int, dtype: torch.dtype, device: torch.device, with_entropy: bool
-    ) -> _OnlineLogSumExp:
-        def zeros() -> torch.Tensor:
-            return torch.zeros(rows, dtype=dtype, device=device)
+    def empty(cls, rows: int, dtype: torch.dtype, device: torch.device) -> _OnlineLogSumExpEntropy:
+        return cls(*(torch.zeros(rows, dtype=dtype, device=device) for _ in range(4)))
 
-        return cls(
-            max=zeros(), sum_exp=zeros(), shifted_dot=zeros() if with_entropy else None, target=zeros()
-        )
-
-    def fold(self, logits: torch.Tensor, local_labels: torch.Tensor, n0: int, n1: int, first: bool) -> None:
+    def fold(
+        self,
+        logits: torch.Tensor,
+        local_labels: torch.Tensor,
+        n0: int,
+        n1: int,
+        first: bool,
+        workspace: _Workspace,
+    ) -> None:
         """Fold one [n, v] tile (rows n0:n1) into the statistics; ``logits`` is overwritten."""
-        width = logits.shape[1]
-        in_chunk = (local_labels >= 0) & (local_labels < width)  # [n]
-        picked = logits.gather(1, local_labels.clamp(0, width - 1).unsqueeze(1)).squeeze(1)  # [n]
-        target = self.target[n0:n1]
-        target.copy_(torch.where(in_chunk, picked, target))
-
+        _pick_label_logits(self.target[n0:n1], logits, local_labels)
         old_max = self.max[n0:n1]  # [n]
         new_max = logits.amax(1) if first else torch.maximum(old_max, logits.amax(1))  # [n]
         shifted = logits.sub_(new_max.unsqueeze(1))  # z - m'  [n, v], all <= 0
-        exp_shifted = shifted.exp() if self.shifted_dot is not None else shifted.exp_()  # [n, v]
+        exp_shifted = torch.exp(shifted, out=workspace.tile("exp", *shifted.shape, shifted.dtype))  # [n, v]
         chunk_sum = exp_shifted.sum(1)  # [n]
-        sum_exp = self.sum_exp[n0:n1]
-        if self.shifted_dot is not None:
-            # Σ e^{z-m'} (z-m') as a batched dot product: no second [n, v] temporary.
-            chunk_dot = (exp_shifted.unsqueeze(1) @ shifted.unsqueeze(2)).view(-1)  # [n]
-            dot = self.shifted_dot[n0:n1]
-            if first:
-                dot.copy_(chunk_dot)
-            else:
-                # Re-base the old sum from m to m': e^{m-m'} (Σ e^{z-m}(z-m) + (m-m') Σ e^{z-m}).
-                shift = old_max - new_max  # [n], <= 0
-                dot.copy_(shift.exp() * (dot + shift * sum_exp) + chunk_dot)
-        # Online log-sum-exp: rescale the old sum from max m to m' before adding the chunk.
-        sum_exp.copy_(chunk_sum if first else sum_exp * (old_max - new_max).exp() + chunk_sum)
+        # Σ e^{z-m'} (z-m') as a batched dot product: no [n, v] temporary.
+        chunk_dot = (exp_shifted.unsqueeze(1) @ shifted.unsqueeze(2)).view(-1)  # [n]
+        sum_exp, dot = self.sum_exp[n0:n1], self.shifted_dot[n0:n1]
+        if first:
+            dot.copy_(chunk_dot)
+            sum_exp.copy_(chunk_sum)
+        else:
+            # Re-base the old sums from m to m': Σ e^{z-m'} = e^{m-m'} Σ e^{z-m}, and
+            # Σ e^{z-m'} (z-m') = e^{m-m'} (Σ e^{z-m} (z-m) + (m-m') Σ e^{z-m}).
+            shift = old_max - new_max  # [n], <= 0
+            rescale = shift.exp()  # [n]
+            dot.copy_(rescale * (dot + shift * sum_exp) + chunk_dot)
+            sum_exp.copy_(rescale * sum_exp + chunk_sum)
         old_max.copy_(new_max)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logsumexp, log p_y, H)`` per row, each [M]; H is empty when entropy was not requested."""
+        """``(logsumexp, log p_y, H)`` per row, each [M]."""
         log_sum_exp = self.sum_exp.log()  # [M]
         log_normalizer = self.max + log_sum_exp  # [M]
-        logprobs = self.target - log_normalizer  # [M]
-        if self.shifted_dot is None:
-            return log_normalizer, logprobs, log_normalizer.new_empty(0)
         entropy = log_sum_exp - self.shifted_dot / self.sum_exp  # [M]
-        return log_normalizer, logprobs, entropy
+        return log_normalizer, self.target - log_normalizer, entropy
 
 
-def _scaled_logits(
-    raw: torch.Tensor,  # [n, v] GEMM output, gemm_dtype
-    bias: torch.Tensor | None,  # [v], acc_dtype
+def _pick_label_logits(target: torch.Tensor, logits: torch.Tensor, local_labels: torch.Tensor) -> None:
+    """Write ``logits[i, label_i]`` into ``target[i]`` for the rows whose label is in this chunk."""
+    width = logits.shape[1]
+    in_chunk = (local_labels >= 0) & (local_labels < width)  # [n]
+    picked = logits.gather(1, local_labels.clamp(0, width - 1).unsqueeze(1)).squeeze(1)  # [n]
+    target.copy_(torch.where(in_chunk, picked, target))
+
+
+def _logits_tile(
+    hidden: torch.Tensor,  # [n, d]
+    weight: torch.Tensor,  # [v, d], in gemm_dtype
+    bias: torch.Tensor | None,  # [v], in acc_dtype
     inv_temperature: float,
     acc_dtype: torch.dtype,
+    workspace: _Workspace,
 ) -> torch.Tensor:
-    """``(raw + b) * inv_temperature`` in ``acc_dtype``; may reuse ``raw``'s storage."""
+    """``(h @ W.T + b) * inv_temperature`` for one tile, in ``acc_dtype``, in a workspace buffer."""
+    rows, cols = hidden.shape[0], weight.shape[0]
+    raw = workspace.tile("gemm", rows, cols, weight.dtype)  # [n, v]
+    torch.mm(hidden.to(weight.dtype), weight.T, out=raw)
+    # bf16 GEMM output upcast per tile; fp32 needs no copy.
+    logits = raw if raw.dtype == acc_dtype else workspace.tile("logits", rows, cols, acc_dtype).copy_(raw)
     if bias is not None:
-        # Type promotion upcasts a bf16 tile and adds the bias in one pass.
-        logits = torch.add(raw, bias) if raw.dtype != acc_dtype else raw.add_(bias)  # [n, v]
-    else:
-        logits = raw.to(acc_dtype)  # [n, v]: bf16 GEMM output upcast per tile, no-op for fp32
+        logits.add_(bias)
     if inv_temperature != 1.0:
         logits.mul_(inv_temperature)
     return logits
 
 
-def _logits_grad_tile(
-    raw: torch.Tensor,  # [n, v] GEMM output, gemm_dtype
-    bias: torch.Tensor | None,  # [v]
+def _row_scale(
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     inv_temperature: float,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """The per-row factor of the logits gradient, ``dz = row_scale[:, None] * tile`` ([M]).
+
+    Without an entropy gradient (the common case) ``dz = -(g / T) (p - onehot)``: the
+    factor ``-g / T`` is applied to the [n, d] GEMM operands instead of the [n, v] tile,
+    which saves a pass over every tile. With one, the factor is ``1 / T``.
+    """
+    if grad_entropy is None:
+        return grad_logprobs * -inv_temperature  # [M]
+    return torch.full_like(like, inv_temperature)  # [M]
+
+
+def _logits_grad_tile(
+    logits: torch.Tensor,  # [n, v], overwritten
     local_labels: torch.Tensor,  # [n]
     log_normalizer: torch.Tensor,  # [n]
     entropy: torch.Tensor,  # [n] (or empty)
     grad_logprobs: torch.Tensor | None,  # [n]
     grad_entropy: torch.Tensor | None,  # [n]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits gradient of one tile as ``dz = row_scale[:, None] * tile``.
+    workspace: _Workspace,
+) -> torch.Tensor:
+    """The logits gradient of one tile, up to the factor of ``_row_scale``.
 
-    ``dz_j = (g (1[j=y] - p_j) - e p_j (log p_j + H)) / T``. Without an entropy gradient
-    (the common case) the tile is ``p - onehot`` and ``row_scale = -g / T``: the per-row
-    factor is applied to the [n, d] GEMM operands instead of the [n, v] tile, which
-    saves a pass over the tile.
+    ``dz_j = (g (1[j=y] - p_j) - e p_j (log p_j + H)) / T``; the tile is ``p - onehot``
+    without an entropy gradient, ``-p_j (g + e (log p_j + H)) + g 1[j=y]`` with one.
     """
-    acc_dtype = log_normalizer.dtype
-    if bias is None and inv_temperature == 1.0:
-        # z - L straight from the GEMM output; promotion upcasts a bf16 tile in the same pass.
-        log_probs = torch.sub(raw, log_normalizer.unsqueeze(1)) if raw.dtype != acc_dtype else raw
-        if log_probs is raw:
-            log_probs.sub_(log_normalizer.unsqueeze(1))
-    else:
-        log_probs = _scaled_logits(raw, bias, inv_temperature, acc_dtype).sub_(log_normalizer.unsqueeze(1))
+    log_probs = logits.sub_(log_normalizer.unsqueeze(1))  # log p_j = z_j - L  [n, v]
     width = log_probs.shape[1]
     in_chunk = (local_labels >= 0) & (local_labels < width)  # [n]
     label_column = local_labels.clamp(0, width - 1).unsqueeze(1)  # [n, 1]
@@ -410,17 +497,17 @@ def _logits_grad_tile(
     if grad_entropy is None:
         tile = log_probs.exp_()  # p_j  [n, v]
         # p - onehot: subtract 1 at the label, only for rows whose label falls in this chunk.
-        tile.scatter_add_(1, label_column, torch.where(in_chunk, -1.0, 0.0).to(acc_dtype).unsqueeze(1))
-        return tile, grad_logprobs * -inv_temperature  # [n, v], [n]
+        tile.scatter_add_(1, label_column, torch.where(in_chunk, -1.0, 0.0).to(tile.dtype).unsqueeze(1))
+        return tile
 
-    probs = log_probs.exp()  # [n, v]
+    probs = torch.exp(log_probs, out=workspace.tile("exp", *log_probs.shape, log_probs.dtype))  # [n, v]
     coeff = log_probs.add_(entropy.unsqueeze(1)).mul_(grad_entropy.unsqueeze(1))  # e (log p_j + H)
     if grad_logprobs is not None:
         coeff.add_(grad_logprobs.unsqueeze(1))  # g + e (log p_j + H)
     tile = probs.mul_(coeff).neg_()  # -p_j (g + e (log p_j + H))  [n, v]
     if grad_logprobs is not None:
         tile.scatter_add_(1, label_column, torch.where(in_chunk, grad_logprobs, 0).unsqueeze(1))  # + g 1[j=y]
-    return tile, torch.full_like(log_normalizer, inv_temperature)  # [n, v], [n]
+    return tile
 
 
 def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -1,0 +1,58 @@
+"""Peak CPU memory of one call, as the kernel sees it (resident set high-water mark).
+
+PyTorch's CPU allocator hands large tensors straight to ``mmap`` and back, so the
+resident set size tracks live tensors closely. The peak is read from ``VmHWM`` in
+``/proc/self/status`` after resetting it (``echo 5 > /proc/self/clear_refs``, Linux
+>= 4.0). ``getrusage(RUSAGE_SELF).ru_maxrss`` is the fallback where that is not
+possible; it cannot be reset, and in a child process it also remembers the parent's
+resident size at fork, so run the measurement in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak() -> bool:
+    """Reset the resident high-water mark to the current resident size; False if unsupported."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return _status_kib("VmHWM") is not None
+
+
+def current_rss_kib() -> int:
+    """Resident set size now, in KiB."""
+    value = _status_kib("VmRSS")
+    return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def peak_rss_kib() -> int:
+    """Resident set high-water mark, in KiB (since the last ``reset_peak``)."""
+    value = _status_kib("VmHWM")
+    return value if value is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def peak_delta_mib(fn: Callable[[], object]) -> tuple[float, str]:
+    """Peak resident memory ``fn()`` adds above the current resident size, in MiB, and the method used."""
+    exact = reset_peak()
+    baseline = current_rss_kib()
+    fn()
+    method = "VmHWM (reset)" if exact else "ru_maxrss"
+    return (peak_rss_kib() - baseline) / 1024.0, method

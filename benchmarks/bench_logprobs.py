@@ -1,0 +1,349 @@
+"""Benchmark: fused ``token_logprobs`` vs the unfused log-softmax, the bare GEMMs and TRL.
+
+Usage::
+
+    python benchmarks/bench_logprobs.py            # realistic shapes, writes docs/benchmarks_logprobs.md
+    python benchmarks/bench_logprobs.py --quick    # small shapes, prints only
+
+Each variant runs forward + backward of ``Σ log p(label)`` with gradients for the
+hidden states and the LM-head weight (a bias-free head, as in Qwen2.5 and Llama):
+
+- ``unfused``: ``log_softmax(hidden @ W.T, -1).gather(labels)`` (bf16 logits are
+  upcast to fp32 before the log-softmax, as careful code does).
+- ``GEMM floor``: the three GEMMs any exact method needs, ``hidden @ W.T`` forward,
+  ``dZ @ W`` and ``dZᵀ @ hidden`` backward, and nothing else: the physical floor
+  for a method that stores the logits (a recomputing method adds one more GEMM).
+- ``softtrust``: ``softtrust.logprobs.token_logprobs`` with its default tiles.
+- ``trl selective_log_softmax``: TRL 1.16.0's ``selective_log_softmax`` fed the
+  logits (B, T, V) of an ordinary LM-head GEMM, which is counted in its time.
+- ``trl ChunkedLogProbFunction``: TRL 1.16.0's fused LM head (the torch fallback
+  it uses off GPU), called standalone with TRL's default vocabulary chunk.
+
+Time is wall-clock and CPU time (``time.process_time``, all threads of the process;
+steadier than wall time when other processes share the cores), each the median
+over repeated rounds after a warm-up (every variant once on a
+small shape, plus ``--warmup`` full-size rounds); the variants run
+round-robin, and each ratio is the median of the per-round ratios to ``unfused``,
+so that load from other processes on the machine hits numerator and denominator
+alike. Peak memory is measured once per variant in a fresh interpreter: the
+resident high-water mark during one forward + backward, above the resident size
+after the inputs are allocated (so it includes the gradients of hidden and W).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUTPUT = REPO / "docs" / "benchmarks_logprobs.md"
+HIDDEN_SIZE = 896  # Qwen2.5-0.5B
+TRL_VOCAB_CHUNK = 32768  # TRL 1.16.0's _CHUNKED_LOGPROB_CHUNK_SIZE
+TRL_BATCH_ROWS = 4  # selective_log_softmax loops over the leading dim of (B, T, V) logits
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark configuration: N tokens, vocabulary V, input dtype."""
+
+    tokens: int
+    vocab: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def label(self) -> str:
+        return f"N={self.tokens}, d={HIDDEN_SIZE}, V={self.vocab:,}, {self.dtype}"
+
+
+FULL_SHAPES = (
+    Shape(1024, 151936, "float32"),
+    Shape(1024, 151936, "bfloat16"),
+    Shape(2048, 32000, "float32"),
+    Shape(2048, 32000, "bfloat16"),
+)
+QUICK_SHAPES = (Shape(256, 151936, "float32"), Shape(256, 32000, "bfloat16"))
+
+
+# ---- the variants: each runs forward + backward ------------------------------------------
+
+
+def run_unfused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    logits = (hidden @ weight.T).float()  # [N, V]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, labels.unsqueeze(1)).squeeze(1)  # [N]
+    logprobs.sum().backward()
+
+
+def run_gemm_floor(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    with torch.no_grad():
+        logits = hidden @ weight.T  # [N, V] forward GEMM
+        grad_hidden = logits @ weight  # [N, d] backward GEMM (the logits stand in for dZ)
+        grad_weight = logits.T @ hidden  # [V, d] backward GEMM
+    del grad_hidden, grad_weight
+
+
+def run_softtrust(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    from softtrust.logprobs import token_logprobs
+
+    token_logprobs(hidden, weight, labels).sum().backward()
+
+
+def run_trl_selective(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    from trl.trainer.utils import selective_log_softmax
+
+    logits = (hidden @ weight.T).view(TRL_BATCH_ROWS, -1, weight.shape[0])  # [B, T, V]
+    selective_log_softmax(logits, labels.view(TRL_BATCH_ROWS, -1)).sum().backward()
+
+
+def run_trl_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    from trl.kernels import ChunkedLogProbFunction
+
+    outputs = ChunkedLogProbFunction.apply(
+        hidden, weight, None, labels, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ("log_probs",)
+    )
+    outputs[0].sum().backward()
+
+
+VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
+    "unfused": run_unfused,
+    "GEMM floor (3 GEMMs)": run_gemm_floor,
+    "softtrust token_logprobs": run_softtrust,
+    "trl selective_log_softmax": run_trl_selective,
+    "trl ChunkedLogProbFunction": run_trl_fused,
+}
+VARIANT_NOTES = """Each variant: forward + backward of `sum(log p(label))`, gradients for hidden and W.
+`unfused` is `log_softmax((hidden @ W.T).float(), -1).gather(labels)`; `GEMM floor` is
+`hidden @ W.T`, `dZ @ W`, `dZ.T @ hidden` alone (what any method that stores the logits
+must do; a method that recomputes them does one GEMM more). TRL variants are
+TRL 1.16.0 `selective_log_softmax` on the logits (the GEMM counted in its time) and its
+fused `ChunkedLogProbFunction` (torch fallback off GPU). Ratios are medians of per-round
+ratios to `unfused`. Peak memory: resident high-water mark of one forward + backward in
+a fresh process, above the inputs (it includes the hidden and W gradients)."""
+NO_MEMORY = {"GEMM floor (3 GEMMs)"}  # holds the logits but no autograd state: not comparable
+
+
+def trl_available() -> bool:
+    try:
+        import trl.kernels
+        import trl.trainer.utils  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def make_inputs(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(shape.tokens, HIDDEN_SIZE, generator=generator)  # [N, d]
+    weight = torch.randn(shape.vocab, HIDDEN_SIZE, generator=generator) / HIDDEN_SIZE**0.5  # [V, d]
+    labels = torch.randint(0, shape.vocab, (shape.tokens,), generator=generator)  # [N]
+    hidden = hidden.to(shape.torch_dtype).requires_grad_()
+    weight = weight.to(shape.torch_dtype).requires_grad_()
+    return hidden, weight, labels
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One forward + backward: wall-clock seconds and CPU seconds of this process (all threads)."""
+
+    wall: float
+    cpu: float
+
+
+def timed_call(fn: Callable, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> Timing:
+    hidden.grad = weight.grad = None
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn(hidden, weight, labels)
+    timing = Timing(time.perf_counter() - wall, time.process_time() - cpu)
+    hidden.grad = weight.grad = None
+    return timing
+
+
+def time_variants(shape: Shape, variants: list[str], warmup: int, repeats: int) -> dict[str, list[Timing]]:
+    """Round-robin timings: ``repeats`` rounds, every variant once per round, after ``warmup`` rounds."""
+    hidden, weight, labels = make_inputs(shape)
+    times: dict[str, list[Timing]] = {name: [] for name in variants}
+    for round_index in range(warmup + repeats):
+        timings = {name: timed_call(VARIANTS[name], hidden, weight, labels) for name in variants}
+        if round_index >= warmup:
+            for name, timing in timings.items():
+                times[name].append(timing)
+        kind = "warm-up" if round_index < warmup else "round"
+        print(
+            f"  {kind}: "
+            + ", ".join(f"{name} {t.wall:.2f}s (cpu {t.cpu:.2f}s)" for name, t in timings.items()),
+            flush=True,
+        )
+    return times
+
+
+def memory_child(variant: str, shape: Shape, threads: int) -> dict:
+    """Run in a fresh interpreter: peak memory of one forward + backward above the inputs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _memory import peak_delta_mib
+
+    torch.set_num_threads(threads)
+    fn = VARIANTS[variant]
+    # Load the code paths (kernels, lazily imported modules) on a small shape first.
+    fn(*make_inputs(Shape(8, 64, shape.dtype)))
+    hidden, weight, labels = make_inputs(shape)
+    peak_mib, method = peak_delta_mib(lambda: fn(hidden, weight, labels))
+    return {"peak_mib": peak_mib, "method": method}
+
+
+def measure_memory(variant: str, shape: Shape, threads: int) -> dict:
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--memory-child",
+        json.dumps({"variant": variant, "shape": shape.__dict__, "threads": threads}),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_description(threads: int) -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except Exception:
+        trl_version = "not installed"
+    return (
+        f"- CPU: {cpu_model()} ({os.cpu_count()} logical cores visible), torch threads: {threads}\n"
+        f"- torch {torch.__version__}, trl {trl_version}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}\n"
+        f"- load average at start (1, 5, 15 min): {load}"
+    )
+
+
+def paired_ratio(samples: list[Timing], base: list[Timing], field: str) -> float:
+    """Median over rounds of ``sample / base`` within the same round."""
+    return statistics.median(
+        getattr(t, field) / getattr(b, field) for t, b in zip(samples, base, strict=True)
+    )
+
+
+def shape_table(shape: Shape, times: dict[str, list[Timing]], memory: dict[str, dict]) -> str:
+    base = times["unfused"]
+    base_memory = memory.get("unfused", {}).get("peak_mib")
+    lines = [
+        f"#### {shape.label()}",
+        "",
+        "| variant | wall median (s) | wall / unfused | CPU median (s) | CPU / unfused "
+        "| peak memory (MiB) | memory / unfused |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, samples in times.items():
+        peak = memory.get(name, {}).get("peak_mib")
+        peak_text = "n/a" if peak is None else f"{peak:,.0f}"
+        memory_ratio = "n/a" if peak is None or not base_memory else f"{peak / base_memory:.2f}"
+        lines.append(
+            f"| {name} | {statistics.median(t.wall for t in samples):.2f} | {paired_ratio(samples, base, 'wall'):.2f} "
+            f"| {statistics.median(t.cpu for t in samples):.2f} | {paired_ratio(samples, base, 'cpu'):.2f} "
+            f"| {peak_text} | {memory_ratio} |"
+        )
+    if "softtrust token_logprobs" in times and "GEMM floor (3 GEMMs)" in times:
+        ours, floor = times["softtrust token_logprobs"], times["GEMM floor (3 GEMMs)"]
+        lines += [
+            "",
+            f"softtrust / GEMM floor: wall {paired_ratio(ours, floor, 'wall'):.2f}, "
+            f"CPU {paired_ratio(ours, floor, 'cpu'):.2f} (a recomputing method does 4 GEMMs: 1.33 at best)",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats, print only")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3, quick 2)")
+    parser.add_argument("--warmup", type=int, default=0, help="full-size warm-up rounds (default 0)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--output", type=Path, default=None, help=f"markdown file (default {DEFAULT_OUTPUT})")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.memory_child is not None:
+        spec = json.loads(args.memory_child)
+        print(json.dumps(memory_child(spec["variant"], Shape(**spec["shape"]), spec["threads"])))
+        return
+
+    torch.set_num_threads(args.threads)
+    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    repeats = args.repeats or (2 if args.quick else 3)
+    output = args.output or (None if args.quick else DEFAULT_OUTPUT)
+    variants = [name for name in VARIANTS if trl_available() or not name.startswith("trl")]
+    command = "python benchmarks/bench_logprobs.py" + (" --quick" if args.quick else "")
+
+    machine = machine_description(args.threads)
+    # Warm-up: every variant once on a small shape loads its kernels and lazy imports.
+    for name in variants:
+        VARIANTS[name](*make_inputs(Shape(64, 4096, "float32")))
+        VARIANTS[name](*make_inputs(Shape(64, 4096, "bfloat16")))
+    sections = []
+    for shape in shapes:
+        print(f"{shape.label()}: timing {len(variants)} variants", flush=True)
+        times = time_variants(shape, variants, args.warmup, repeats)
+        memory = {}
+        for name in variants:
+            if name not in NO_MEMORY:
+                memory[name] = measure_memory(name, shape, args.threads)
+        methods = {m["method"] for m in memory.values()}
+        section = shape_table(shape, times, memory)
+        section += (
+            f"\n\nMemory method: {', '.join(sorted(methods))}; {repeats} timed rounds"
+            f" after a small-shape warm-up and {args.warmup} full-size warm-up rounds."
+        )
+        print(section + "\n", flush=True)
+        sections.append(section)
+
+    end_load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    report = "\n".join(
+        [
+            "### Token log-probs: fused vs unfused (forward + backward)",
+            "",
+            f"Command: `{command}`",
+            "",
+            machine,
+            f"- load average at end: {end_load}",
+            "",
+            VARIANT_NOTES,
+            "",
+            "\n\n".join(sections),
+            "",
+        ]
+    )
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(report)
+        print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
