@@ -64,6 +64,9 @@ def run_sweep_command(arguments: argparse.Namespace, extra: list[str]) -> int:
     except ValueError as error:
         print(f"softtrust sweep: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("softtrust sweep: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
     print(
         f"{len(result['ran'])} cell(s) run, {len(result['skipped'])} already done, "
         f"{len(result['failed'])} failed; report: {sweep.output_dir / 'summary.md'}"

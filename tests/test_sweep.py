@@ -1,0 +1,278 @@
+"""``softtrust sweep``: the grid runs and reports, resumes, detects collapse, and is on-policy at N = 1.
+
+Every sweep here uses a ~10k-parameter Qwen2 saved to a temporary directory (``--model``),
+a JSONL of single-digit sums, a reward that every completion can earn part of (so
+advantages are non-zero and every update moves the model) and four optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from softtrust.cli import main
+from softtrust.sweep import CollapseCriterion, mean_std_ci, split_methods
+from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+
+torch.set_num_threads(1)
+
+MICRO = TinyModelConfig(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+)
+
+REWARD_MODULE = '''
+def digit_reward(completion, answer):
+    """The fraction of digit characters (random weights already earn varied rewards)."""
+    return sum(character.isdigit() for character in completion) / 3
+'''
+
+
+@pytest.fixture(scope="module")
+def micro_model_dir(tmp_path_factory) -> Path:
+    """The micro model and char tokenizer (``save_pretrained``), ``sums.jsonl`` and a reward module."""
+    directory = tmp_path_factory.mktemp("sweep_micro_model")
+    (directory / "sums.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+{j}=", "answer": f"{i + j:02d}"}) + "\n"
+            for i in range(10)
+            for j in range(10)
+        )
+    )
+    (directory / "sweep_test_rewards.py").write_text(REWARD_MODULE)
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, MICRO, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def sweep_env(micro_model_dir, tmp_path, monkeypatch):
+    """Cells (subprocesses) can import the reward module and cache warm starts in tmp_path."""
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(micro_model_dir), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("SOFTTRUST_CACHE", str(tmp_path / "cache"))
+    return micro_model_dir
+
+
+def sweep_argv(model_dir: Path, output_dir: Path, methods: str, staleness: str, *extra: str) -> list[str]:
+    return [
+        "sweep",
+        "--methods",
+        methods,
+        "--staleness",
+        staleness,
+        "--seeds",
+        "1",
+        "--output-dir",
+        str(output_dir),
+        "--jobs",
+        "2",
+        "--no-progress",
+        # shared train flags, passed through to every cell
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(model_dir / "sums.jsonl"),
+        "--reward",
+        "sweep_test_rewards:digit_reward",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "8",
+        "--save-every",
+        "0",
+        "--lr",
+        "1e-2",
+        "--sft-steps",  # the default (full) preset's warm start is for the embedded model
+        "0",
+        *extra,
+    ]
+
+
+def cells_run(output_dir: Path) -> list[str]:
+    log = output_dir / "sweep-log.jsonl"
+    return [json.loads(line)["cell"] for line in log.read_text().splitlines()] if log.is_file() else []
+
+
+def is_png(path: Path) -> bool:
+    data = path.read_bytes()
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        return False
+    width, height = struct.unpack(">II", data[16:24])
+    return width > 100 and height > 100
+
+
+# ---------------------------------------------------------------------- (1) smoke sweep
+def test_smoke_sweep_runs_the_grid_and_writes_all_four_outputs(sweep_env, tmp_path):
+    output = tmp_path / "sweep"
+    argv = sweep_argv(sweep_env, output, "clip,vespo", "1,2", "--sft-steps", "3", "--sft-batch-size", "8")
+    assert main(argv) == 0
+    assert sorted(cells_run(output)) == sorted(f"{m} N={n} seed=0" for m in ("clip", "vespo") for n in (1, 2))
+    for name in ("summary.json", "summary.md", "curves.png", "final_vs_staleness.png"):
+        assert (output / name).is_file(), name
+    assert is_png(output / "curves.png") and is_png(output / "final_vs_staleness.png")
+
+    report = json.loads((output / "summary.json").read_text())
+    assert report["methods"] == ["clip", "vespo"] and report["staleness"] == [1, 2] and report["axis"] == "N"
+    assert "rule" in report["collapse_criterion"]
+    assert {(r["method"], r["N"]) for r in report["records"]} == {
+        (m, n) for m in ("clip", "vespo") for n in (1, 2)
+    }
+    warm_starts = set()
+    for record in report["records"]:
+        for key in ("final_accuracy", "best_accuracy", "auc_accuracy", "final_reward"):
+            assert set(record[key]) >= {"mean", "std", "ci95", "n", "values"}, key
+            assert record[key]["n"] == 1 and 0.0 <= record[key]["mean"] <= 1.0, key
+        assert record["runs_complete"] == 1 and record["collapsed_runs"] in (0, 1)
+        (run,) = record["runs"]
+        assert run["status"] == "complete" and run["steps"] == 4  # equal steps for every N
+        assert set(run) >= {"collapsed", "collapse_step", "collapse_reason", "best_step", "curves"}
+        metrics = [
+            json.loads(line) for line in Path(run["run_dir"], "metrics.jsonl").read_text().splitlines()
+        ]
+        assert max(m["lag"] for m in metrics) == record["N"] - 1  # N changes only the staleness
+        events = [json.loads(line) for line in Path(run["run_dir"], "events.jsonl").read_text().splitlines()]
+        warm_starts |= {e["warmstart"] for e in events if "warmstart" in e}
+    assert len(warm_starts) == 1  # the same cached warm start for every cell of the seed
+
+    table = (output / "summary.md").read_text()
+    assert "| N | clip | vespo |" in table
+    assert "\n| 1 | " in table and "\n| 2 | " in table and "Collapse criterion" in table
+
+
+# ---------------------------------------------------------------------- (2) resumption
+def test_sweep_resumes_by_running_only_the_missing_cells(sweep_env, tmp_path, capsys):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(sweep_env, output, "clip", "1")) == 0
+    assert cells_run(output) == ["clip N=1 seed=0"]
+
+    # the same sweep grown by one method: only the new cell runs
+    assert main(sweep_argv(sweep_env, output, "clip,vespo", "1")) == 0
+    assert cells_run(output) == ["clip N=1 seed=0", "vespo N=1 seed=0"]
+
+    # a cell without its summary (as if interrupted) runs again; the complete one does not
+    (output / "runs" / "clip" / "N1" / "seed0" / "summary.json").unlink()
+    assert main(sweep_argv(sweep_env, output, "clip,vespo", "1")) == 0
+    assert cells_run(output) == ["clip N=1 seed=0", "vespo N=1 seed=0", "clip N=1 seed=0"]
+    report = json.loads((output / "summary.json").read_text())
+    assert [r["runs_complete"] for r in report["records"]] == [1, 1]
+
+    # nothing missing: nothing runs
+    assert main(sweep_argv(sweep_env, output, "clip,vespo", "1")) == 0
+    assert len(cells_run(output)) == 3
+
+    # other settings in the same directory are refused, not mixed with the old results
+    assert main(sweep_argv(sweep_env, output, "clip,vespo", "1", "--lr", "5e-3")) == 2
+    assert "lr: 0.01 -> 0.005" in capsys.readouterr().err
+    assert len(cells_run(output)) == 3
+
+
+# ---------------------------------------------------------------------- (3) collapse criterion
+def steps(values: list[float], every: int = 1) -> list[tuple[int, float]]:
+    return [(every * (index + 1), value) for index, value in enumerate(values)]
+
+
+def test_collapse_criterion_ignores_a_stable_or_slightly_noisy_run():
+    criterion = CollapseCriterion()
+    accuracies = [(0, 0.40), (32, 0.45), (64, 0.33), (96, 0.50)]  # dips 0.07 < margin 0.10
+    rewards = steps([0.40 + 0.05 * math.sin(i) for i in range(128)])
+    assert criterion.check(0.40, accuracies, rewards) == (False, None, None)
+
+
+def test_collapse_criterion_flags_the_first_accuracy_below_warm_start_minus_margin():
+    criterion = CollapseCriterion(accuracy_margin=0.10)
+    accuracies = [(0, 0.40), (32, 0.45), (64, 0.29), (96, 0.05)]
+    assert criterion.check(0.40, accuracies, steps([0.4] * 128)) == (True, 64, "accuracy")
+    assert criterion.check(0.40, [(0, 0.4), (32, float("nan"))], []) == (True, 32, "accuracy")
+
+
+def test_collapse_criterion_flags_reward_collapse_at_the_end_of_the_first_low_window():
+    criterion = CollapseCriterion(reward_margin=0.15, reward_window=8)
+    rewards = steps([0.4] * 40 + [0.1] * 40)
+    # trailing mean of 8 after k low steps: (0.4 (8 - k) + 0.1 k) / 8 < 0.25 first at k = 5: step 45
+    assert criterion.check(0.40, [(0, 0.4), (80, 0.38)], rewards) == (True, 45, "reward")
+
+
+def test_collapse_criterion_flags_stopped_and_nonfinite_runs():
+    criterion = CollapseCriterion()
+    assert criterion.check(0.4, [(0, 0.4)], steps([0.4] * 10), stopped=True) == (True, 10, "stopped")
+    assert criterion.check(0.4, [(0, 0.4)], steps([0.4] * 10), nonfinite_steps=[7, 8]) == (
+        True,
+        7,
+        "nonfinite",
+    )
+
+
+# ---------------------------------------------------------------------- (4) on-policy sanity
+def test_on_policy_clip_vespo_and_reinforce_reach_the_same_parameters(sweep_env, tmp_path):
+    """At N = 1 every ratio is 1 and VESPO's phi is 1: the three give the same gradient A grad log p."""
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(sweep_env, output, "clip,vespo,reinforce", "1")) == 0
+    weights = {
+        method: load_file(str(output / "runs" / method / "N1" / "seed0" / "final" / "model.safetensors"))
+        for method in ("clip", "vespo", "reinforce")
+    }
+    initial = load_file(str(sweep_env / "model.safetensors"))
+    moved = max(float((weights["clip"][k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3  # four steps at lr 1e-2 really changed the model
+    for method in ("vespo", "reinforce"):
+        for name, tensor in weights["clip"].items():
+            difference = float((weights[method][name] - tensor).abs().max())
+            assert difference <= 1e-6, (method, name, difference)
+
+
+# ---------------------------------------------------------------------- grid parsing, statistics
+def test_method_specs_keep_commas_inside_brackets_and_route_level_to_the_config():
+    specs = split_methods("clip,vespo[k_neg=2,lambda_neg=3],vespo[level=sequence-mean]")
+    assert [s.label for s in specs] == ["clip", "vespo[k_neg=2,lambda_neg=3]", "vespo[level=sequence-mean]"]
+    assert specs[1].method == "vespo" and specs[1].params == {"k_neg": 2, "lambda_neg": 3}
+    assert specs[2].params == {} and specs[2].config == {"level": "sequence-mean"}
+    assert specs[1].slug == "vespo-k_neg=2-lambda_neg=3"
+    with pytest.raises(ValueError, match="methods"):
+        split_methods("clip,clip")
+
+
+def test_bad_method_parameter_or_unknown_flag_fails_before_any_run(sweep_env, tmp_path, capsys):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(sweep_env, output, "vespo[k_nope=2]", "1")) == 2
+    assert "method_params" in capsys.readouterr().err
+    assert main(sweep_argv(sweep_env, output, "clip", "1", "--no-such-flag", "3")) == 2
+    assert "no-such-flag" in capsys.readouterr().err
+    assert main(sweep_argv(sweep_env, output, "clip", "1", "--seed", "3")) == 2
+    assert cells_run(output) == []
+
+
+def test_mean_std_ci_uses_the_student_t_quantile():
+    stat = mean_std_ci([0.2, 0.4, 0.6])
+    assert stat["mean"] == pytest.approx(0.4) and stat["std"] == pytest.approx(0.2)
+    assert stat["ci95"] == pytest.approx(4.303 * 0.2 / math.sqrt(3))
+    assert mean_std_ci([0.5])["ci95"] is None
+
+
+def test_async_mode_makes_the_lag_bound_the_grid_axis(sweep_env, tmp_path):
+    from softtrust.cli import build_parser
+    from softtrust.sweep import sweep_from_arguments
+
+    argv = sweep_argv(sweep_env, tmp_path, "clip", "1", "--mode", "async", "--max-lag", "0,4")
+    arguments, extra = build_parser().parse_known_args(argv)
+    sweep = sweep_from_arguments(arguments, extra)
+    assert sweep.axis == "K" and sweep.staleness == [0, 4]
+    configs = [sweep.cell_config(cell) for cell in sweep.cells()]
+    assert [(c.mode, c.max_lag, c.method) for c in configs] == [("async", 0, "clip"), ("async", 4, "clip")]
+    assert configs[1].output_dir.endswith(str(Path("runs", "clip", "K4", "seed0")))
