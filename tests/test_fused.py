@@ -1,4 +1,4 @@
-"""The fused path (REINFORCE-style methods in one contraction) equals the reference path."""
+"""The fused path (closed-form slopes, one contraction) equals the reference (autograd) path."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import softtrust as st
 
 from helpers import loss_and_grad, random_batch
 
-FUSED_METHODS = [name for name, cls in st.METHODS.items() if issubclass(cls, st.DetachedWeightMethod)]
+FUSED_METHODS = [name for name, cls in st.METHODS.items() if cls().fusable]
 CORRECTIONS = [None, st.TIS(cap=1.5), st.TIS(level="sequence"), st.MIS(low=0.8, high=1.25), st.OPSM(0.05)]
 
 
-def test_fused_methods_are_the_reinforce_style_ones():
-    assert sorted(FUSED_METHODS) == ["cispo", "reinforce", "vespo"]
+def test_every_method_but_gmpo_is_fused():
+    assert sorted(FUSED_METHODS) == ["cfpo", "cispo", "clip", "gspo", "pspo", "reinforce", "sapo", "vespo"]
 
 
 @pytest.mark.parametrize("token_advantages", [False, True])
@@ -46,6 +46,60 @@ def test_fused_equals_reference_value_and_gradient(method, aggregation, correcti
         assert loss_f.item() == pytest.approx(loss_r.item(), rel=1e-12, abs=1e-14)
         torch.testing.assert_close(grad_f, grad_r, rtol=1e-12, atol=1e-14)
         assert metrics_f == pytest.approx(metrics_r, rel=1e-6, nan_ok=True)
+
+
+def assert_fused_equals_reference(method, logprobs, old, advantages, mask, **kwargs):
+    fused = st.PolicyLoss(method, **kwargs)
+    reference = st.PolicyLoss(method, fused=False, **kwargs)
+    loss_f, grad_f, metrics_f = loss_and_grad(fused, logprobs, old, advantages, mask)
+    loss_r, grad_r, metrics_r = loss_and_grad(reference, logprobs, old, advantages, mask)
+    assert loss_f.item() == pytest.approx(loss_r.item(), rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(grad_f, grad_r, rtol=1e-12, atol=1e-14)
+    assert metrics_f == pytest.approx(metrics_r, rel=1e-6, nan_ok=True)
+    return grad_f
+
+
+CLIP_VARIANTS = [
+    {"dual_clip": 3.0},
+    {"delta": 1.5},
+    {"delta": 1.1, "eps_high": 0.3},  # δ below 1 + ε_high: the cap binds before the clip
+    {"dual_clip": 2.0, "delta": 1.5, "eps_low": 0.1, "eps_high": 0.28},
+]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence-mean"])
+@pytest.mark.parametrize("params", CLIP_VARIANTS, ids=repr)
+def test_fused_clip_variants_equal_reference(params, level):
+    # spread 1.0: many ratios beyond every bound, on both sides, with both advantage signs
+    logprobs, old, advantages, mask = random_batch(batch=12, length=10, seed=36, spread=1.0)
+    assert_fused_equals_reference("clip", logprobs, old, advantages, mask, level=level, **params)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence-mean"])
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_fused_on_policy_ties_equal_reference(method, level):
+    """r = 1 exactly: Clip's two branches tie, every clamp sits inside its interval."""
+    if level not in st.METHODS[method].levels:
+        pytest.skip(f"{method} refuses {level}")
+    logprobs, _, advantages, mask = random_batch(batch=6, length=8, seed=37)
+    grad = assert_fused_equals_reference(method, logprobs, logprobs, advantages, mask, level=level)
+    scale = 0.9 if method == "pspo" else 1.0  # PSPO: (1-α)·A·∇logp on-policy
+    count = mask.sum()
+    expected = -scale * advantages[:, None] * mask / count
+    torch.testing.assert_close(grad, expected.to(grad.dtype), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence-mean"])
+@pytest.mark.parametrize("method", FUSED_METHODS)
+def test_fused_log_ratios_beyond_the_clamp_equal_reference(method, level):
+    """Token log-ratios of ±30 (clamped at ±20): zero gradient there, as ``clamp`` gives."""
+    if level not in st.METHODS[method].levels:
+        pytest.skip(f"{method} refuses {level}")
+    logprobs, old, advantages, mask = random_batch(batch=6, length=8, seed=38)
+    old = old.clone()
+    old[0, 0], old[1, 0], old[2, 3] = logprobs[0, 0] + 30, logprobs[1, 0] - 30, logprobs[2, 3] - 25
+    mask[2, 3] = True
+    assert_fused_equals_reference(method, logprobs, old, advantages, mask, level=level)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

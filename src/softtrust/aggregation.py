@@ -62,16 +62,16 @@ def aggregation_weights(
     if mode == "token-mean":
         if num_tokens is None:
             num_tokens = mask.sum() if num_active is None else num_active.sum()
-        return 1.0 / _at_least_one(num_tokens, dtype)
+        return _reciprocal(_at_least_one(num_tokens, dtype))
     num_sequences = _at_least_one(mask.shape[0] if num_sequences is None else num_sequences, dtype)
     if mode == "seq-mean-token-mean":
         if num_active is None:
             num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
-        return 1.0 / (num_active.clamp(min=1) * num_sequences)  # [B, 1]
+        return _reciprocal(num_active.clamp(min=1) * num_sequences)  # [B, 1]
     if mode == "seq-mean-token-sum":
-        return 1.0 / num_sequences
+        return _reciprocal(num_sequences)
     length = mask.shape[-1] if max_completion_length is None else max_completion_length
-    return 1.0 / (num_sequences * length)
+    return _reciprocal(num_sequences * length)
 
 
 def aggregate(
@@ -118,8 +118,13 @@ def aggregate(
     return (per_row * weight).sum()
 
 
+def _reciprocal(x: float | torch.Tensor) -> float | torch.Tensor:
+    """``1 / x`` (``Tensor.reciprocal`` is one op; ``1.0 / tensor`` goes through a slower Python path)."""
+    return x.reciprocal() if isinstance(x, torch.Tensor) else 1.0 / x
+
+
 def _at_least_one(count: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
     """max(count, 1) (a tensor count in ``dtype``): an empty batch gives loss 0 instead of 0/0."""
     if isinstance(count, torch.Tensor):
-        return count.to(dtype).clamp(min=1)
+        return (count if count.dtype == dtype else count.to(dtype)).clamp(min=1)
     return max(count, 1)

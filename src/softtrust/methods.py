@@ -8,7 +8,9 @@ composes those. Every method gives the plain policy gradient ``A·∇logp`` on-p
 
 Adding a method: write a frozen dataclass with ``name``, ``default_level``,
 ``levels`` and ``loss(inputs)``, decorate it with :func:`register_method`. Nothing
-else changes.
+else changes. Optionally give ``surrogate(log_ratio, advantages, with_stats)`` (ℓ and
+its closed-form slope ∂ℓ/∂log r) so that :class:`~softtrust.PolicyLoss` can take its
+fused path; ``loss`` stays the autograd reference the fused path is tested against.
 """
 
 from __future__ import annotations
@@ -91,6 +93,26 @@ class Method:
     def loss(self, inputs: MethodInputs) -> MethodOutput:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def surrogate(
+        self, log_ratio: torch.Tensor, advantages: torch.Tensor, with_stats: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None:
+        """The per-element loss ``ℓ(log r, A)``, its slope ``∂ℓ/∂log r`` and the stats, all detached.
+
+        A method whose loss depends on ``logp`` only through its log-ratio at its
+        level can give both in closed form; :class:`~softtrust.PolicyLoss` then
+        evaluates it in one fused pass whose backward is a single multiply (see
+        ``PolicyLoss._fused_loss``). ``log_ratio`` is [B, T] or [B, 1], ``advantages``
+        [B, 1] or [B, T]; the outputs broadcast like them. The slope must be the
+        derivative autograd takes through :meth:`loss` (tests check it, ties included).
+        None (the default): no closed form, the reference path is used.
+        """
+        return None
+
+    @property
+    def fusable(self) -> bool:
+        """True when :class:`~softtrust.PolicyLoss` can take its fused path (no autograd through ℓ)."""
+        return type(self).surrogate is not Method.surrogate
+
 
 @dataclass(frozen=True)
 class DetachedWeightMethod(Method):
@@ -98,8 +120,12 @@ class DetachedWeightMethod(Method):
 
     The loss is linear in ``logp`` with a coefficient that carries no gradient, so
     :class:`~softtrust.PolicyLoss` can evaluate it in one fused pass (see
-    ``loss._linear_in_logprobs``). Subclasses only define :meth:`weight`.
+    ``loss._with_gradient``). Subclasses only define :meth:`weight`.
     """
+
+    @property
+    def fusable(self) -> bool:
+        return True
 
     def weight(
         self, log_ratio: torch.Tensor, advantages: torch.Tensor, with_stats: bool
@@ -185,16 +211,52 @@ class Clip(Method):
         clipped = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         unclipped = ratio if self.delta is None else ratio.clamp(max=self.delta)
         loss = -torch.minimum(unclipped * advantages, clipped * advantages)  # [B, T] or [B, 1]
-        stats = {}
-        if inputs.with_stats:
-            stats["clip/low"] = (ratio < 1.0 - self.eps_low) & (advantages < 0)
-            stats["clip/high"] = (ratio > 1.0 + self.eps_high) & (advantages > 0)
+        stats = self._clip_stats(ratio, advantages) if inputs.with_stats else {}
         if self.dual_clip is not None:
-            cap = -self.dual_clip * advantages  # c·|A| where A < 0
-            is_capped = (advantages < 0) & (loss > cap)
-            loss = torch.where(is_capped, cap, loss)
+            is_capped = self._dual_capped(loss, advantages)
+            loss = torch.where(is_capped, -self.dual_clip * advantages, loss)
             stats["clip/dual"] = is_capped
         return MethodOutput(loss, stats)
+
+    def surrogate(self, log_ratio, advantages, with_stats):
+        """``ℓ = -min(r̃·A, clip(r)·A)``; slope ``-A·r`` where the chosen branch follows r, else 0.
+
+        The chosen branch is the one ``torch.minimum`` passes its gradient to; on a
+        tie (``r̃·A = clip(r)·A`` with A ≠ 0, so both branches equal r or both are
+        constant) the two slopes agree, so its half-and-half split changes nothing.
+        ``clamp`` passes gradient on its closed interval, as here.
+        """
+        ratio = torch.exp(log_ratio)  # [B, T] or [B, 1]
+        bounded = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
+        scaled, clipped = ratio * advantages, bounded * advantages  # r·A, clip(r)·A
+        # ``x.clamp(...) == x`` exactly where x lies in the closed interval (clamp returns x itself)
+        if self.delta is None:
+            follows = (scaled <= clipped) | (bounded == ratio)
+            loss = torch.minimum(scaled, clipped).neg_()
+        else:
+            capped_ratio = ratio.clamp(max=self.delta)
+            capped = capped_ratio * advantages
+            take_unclipped = capped <= clipped
+            loss = torch.where(take_unclipped, capped, clipped).neg_()
+            follows = torch.where(take_unclipped, capped_ratio == ratio, bounded == ratio)
+        slope = torch.where(follows, scaled, 0.0).neg_()  # -A·r where the chosen branch follows r
+        stats = self._clip_stats(ratio, advantages) if with_stats else {}
+        if self.dual_clip is not None:
+            is_capped = self._dual_capped(loss, advantages)
+            loss = torch.where(is_capped, -self.dual_clip * advantages, loss)
+            slope = slope.masked_fill(is_capped, 0.0)
+            stats["clip/dual"] = is_capped
+        return loss, slope, stats
+
+    def _clip_stats(self, ratio: torch.Tensor, advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            "clip/low": (ratio < 1.0 - self.eps_low) & (advantages < 0),
+            "clip/high": (ratio > 1.0 + self.eps_high) & (advantages > 0),
+        }
+
+    def _dual_capped(self, loss: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """Where the dual clip caps the loss at ``c·|A|`` (A < 0 only)."""
+        return (advantages < 0) & (loss > -self.dual_clip * advantages)
 
 
 @register_method
@@ -295,6 +357,16 @@ class SAPO(Method):
         gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
         return MethodOutput(-gate * advantages, {})
 
+    def surrogate(self, log_ratio, advantages, with_stats):
+        """``ℓ = -(4/τ)·σ·A`` with ``σ = sigmoid(τ(r-1))``; slope ``-4·σ(1-σ)·r·A``."""
+        ratio = torch.exp(log_ratio)
+        tau = _select(advantages > 0, self.tau_pos, self.tau_neg, advantages)
+        sig = torch.sigmoid(tau * (ratio - 1.0))
+        scaled = sig * advantages  # σ·A
+        loss = scaled * tau.reciprocal().mul_(-4.0)  # -(4/τ)·σ·A
+        slope = torch.addcmul(sig, sig, sig, value=-1.0).mul_(ratio * advantages).mul_(-4.0)  # -4·σ(1-σ)·r·A
+        return loss, slope, {}
+
 
 @register_method
 @dataclass(frozen=True)
@@ -325,6 +397,11 @@ class PSPO(Method):
         ratio = torch.exp(inputs.log_ratio)  # [B, T] or [B, 1]
         smoothed = (1.0 - self.alpha) * ratio + self.alpha
         return MethodOutput(-smoothed * inputs.advantages, {})
+
+    def surrogate(self, log_ratio, advantages, with_stats):
+        """``ℓ = -((1-α)·r + α)·A``; slope ``-(1-α)·r·A``."""
+        scaled = (1.0 - self.alpha) * torch.exp(log_ratio)
+        return -(scaled + self.alpha) * advantages, -scaled * advantages, {}
 
 
 # VESPO's official code floors W at 1e-8 before the power: log W >= log(1e-8) ≈ -18.42.
@@ -389,7 +466,8 @@ class VESPO(DetachedWeightMethod):
         nonneg = advantages >= 0
         k = _select(nonneg, self.k_pos, self.k_neg, advantages)
         lam = _select(nonneg, self.lambda_pos, self.lambda_neg, advantages)
-        log_phi = lam + k * log_w - lam * torch.exp(log_w)  # log-space: W^k underflows, e^{λW} overflows
+        # log φ = k·log W + λ·(1 - W), in log space: W^k underflows, e^{λW} overflows
+        log_phi = torch.addcmul(k * log_w, lam, torch.exp(log_w) - 1.0, value=-1.0)
         return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     def weight(self, log_ratio, advantages, with_stats):
@@ -427,6 +505,13 @@ class CFPO(Method):
         ratio = torch.exp(inputs.log_ratio)  # [B, T] or [B, 1]
         penalty = advantages.abs() * (ratio - 1.0).square() / (2.0 * self.eps)
         return MethodOutput(-(ratio * advantages - penalty), {})
+
+    def surrogate(self, log_ratio, advantages, with_stats):
+        """``ℓ = -(r·A - |A|·(r-1)²/(2ε))``; slope ``-(A - |A|·(r-1)/ε)·r``."""
+        ratio = torch.exp(log_ratio)
+        excess = advantages.abs() * (ratio - 1.0) / self.eps  # |A|·(r-1)/ε
+        loss = -(ratio * advantages - excess * (ratio - 1.0) / 2.0)
+        return loss, -(advantages - excess) * ratio, {}
 
 
 @register_method
