@@ -121,6 +121,7 @@ def not_a_causal_lm(tmp_path: Path) -> str:
         (["--method-params", "k_pos=2,nonsense=1"], "method_params"),
         (["--correction", "ipw"], "correction"),
         (["--mode", "eventually"], "mode"),
+        (["--sft-target-accuracy", "1.5"], "sft_target_accuracy"),
     ],
 )
 def test_bad_configuration_fails_before_any_work_naming_the_field(argv, field, tmp_path, capsys):

@@ -276,3 +276,58 @@ def test_async_mode_makes_the_lag_bound_the_grid_axis(sweep_env, tmp_path):
     configs = [sweep.cell_config(cell) for cell in sweep.cells()]
     assert [(c.mode, c.max_lag, c.method) for c in configs] == [("async", 0, "clip"), ("async", 4, "clip")]
     assert configs[1].output_dir.endswith(str(Path("runs", "clip", "K4", "seed0")))
+
+
+# ---------------------------------------------------------------------- the learning-rate view
+def without_lr(argv: list[str]) -> list[str]:
+    index = argv.index("--lr")
+    return argv[:index] + argv[index + 2 :]
+
+
+def test_lr_axis_runs_every_rate_and_reports_the_largest_stable_one(sweep_env, tmp_path):
+    output = tmp_path / "sweep"
+    argv = without_lr(sweep_argv(sweep_env, output, "clip", "1", "--lrs", "2e-2,1e-2"))
+    assert main(argv) == 0
+    assert sorted(cells_run(output)) == ["clip N=1 lr=0.01 seed=0", "clip N=1 lr=0.02 seed=0"]
+    assert (output / "runs" / "clip" / "N1" / "lr0.02" / "seed0" / "summary.json").is_file()
+    for name in ("summary.json", "summary.md", "curves.png", "final_vs_staleness.png", "lr_stability.png"):
+        assert (output / name).is_file(), name
+    assert is_png(output / "lr_stability.png")
+
+    report = json.loads((output / "summary.json").read_text())
+    assert report["lrs"] == [0.01, 0.02]
+    assert [(r["lr"], r["runs_complete"]) for r in report["records"]] == [(0.01, 1), (0.02, 1)]
+    for record in report["records"]:  # each cell really trained at its own rate
+        (run,) = record["runs"]
+        assert Path(run["run_dir"], "config.yaml").read_text().count(f"lr: {record['lr']}") == 1
+    (row,) = report["lr_stability"]
+    collapsed = [r["collapsed_runs"] > 0 for r in report["records"]]
+    expected = None if collapsed[0] else (0.01 if collapsed[1] else 0.02)
+    assert row["largest_stable_lr"] == expected
+    table = (output / "summary.md").read_text()
+    assert "## Largest stable learning rate" in table and "## Learning rate 0.01" in table
+    assert "## Learning rate 0.02" in table
+
+
+def test_largest_stable_lr_scans_upwards_and_stops_at_the_first_failure():
+    from softtrust.sweep import largest_stable_lr
+
+    def record(lr, complete=2, collapsed=0):
+        return {"lr": lr, "runs_complete": complete, "collapsed_runs": collapsed}
+
+    stable = [record(1e-3), record(3e-4), record(2e-3)]
+    assert largest_stable_lr(stable, seeds=2) == 2e-3
+    # a collapse at 1e-3 ends the stable range, even though 2e-3 happened to survive
+    assert largest_stable_lr([record(3e-4), record(1e-3, collapsed=1), record(2e-3)], seeds=2) == 3e-4
+    # an incomplete rate is not stable; nothing stable at all gives None
+    assert largest_stable_lr([record(3e-4, complete=1), record(1e-3)], seeds=2) is None
+    assert largest_stable_lr([], seeds=2) is None
+
+
+def test_lr_and_lrs_together_or_bad_rates_are_refused(sweep_env, tmp_path, capsys):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(sweep_env, output, "clip", "1", "--lrs", "1e-3,2e-3")) == 2
+    assert "--lrs" in capsys.readouterr().err
+    assert main(without_lr(sweep_argv(sweep_env, output, "clip", "1", "--lrs", "1e-3,-1"))) == 2
+    assert "lrs" in capsys.readouterr().err
+    assert cells_run(output) == []

@@ -395,3 +395,44 @@ def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.08, (first, last)
     assert list((tmp_path / "cache" / "warmstart").glob("*.safetensors"))  # the warm start was cached
+
+
+def test_warm_start_stops_at_the_target_accuracy_and_caches_the_steps_it_took(tmp_path):
+    """``sft_target_accuracy``: the supervised phase checks greedy accuracy on its own validation
+    set every 10 steps and stops once it reaches the target; the cached entry remembers how many
+    steps that took, and a different target is a different cache entry."""
+    from softtrust.train.rollout import ProblemSampler, greedy_accuracy
+    from softtrust.train.tasks import build_task, held_out_problems
+    from softtrust.train.trainer import EVAL_SEED, VALIDATION_SEED, VALIDATION_SIZE, warm_start_policy
+
+    def warm(target, cache):
+        config = TrainConfig(
+            task="addition-1digit",
+            sft_steps=300,
+            sft_target_accuracy=target,
+            cache_dir=str(cache),
+            max_new_tokens=3,
+            eval_size=16,
+            output_dir=str(tmp_path / "run"),
+            progress=False,
+            seed=0,
+        )
+        task = build_task(config.task, None, "exact")
+        eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
+        tokenizer = build_char_tokenizer()
+        model = build_tiny_model(tokenizer, TinyModelConfig(), seed=0)
+        events = []
+        run = type("Run", (), {"writes": False, "log_event": lambda self, record: events.append(record)})()
+        warm_start_policy(config, run, model, tokenizer, task, eval_problems, config.effective_sft_steps)
+        validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
+        return events[-1], greedy_accuracy(model, tokenizer, task, validation, 3)
+
+    event, accuracy = warm(0.3, tmp_path / "cache")
+    steps = event["warmstart_steps"]
+    assert not event["warmstart_cached"] and steps % 10 == 0 and 0 < steps < 300
+    assert accuracy >= 0.3  # the stopping rule held when it stopped
+    again, accuracy_again = warm(0.3, tmp_path / "cache")
+    assert again["warmstart_cached"] and again["warmstart_steps"] == steps and accuracy_again == accuracy
+    higher, accuracy_higher = warm(0.6, tmp_path / "cache")
+    assert not higher["warmstart_cached"] and higher["warmstart_steps"] > steps  # another entry, trained on
+    assert accuracy_higher >= 0.6

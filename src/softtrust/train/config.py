@@ -53,6 +53,12 @@ class TrainConfig:
     sft_steps: int | None = _field(
         None, "Warm-start steps of supervised training (default: 300 for the embedded model, 0 for --model)."
     )
+    sft_target_accuracy: float | None = _field(
+        None,
+        "Stop the warm start as soon as greedy accuracy on a validation set (256 problems, disjoint "
+        "from the held-out set, checked every 10 steps) reaches this value; --sft-steps is then "
+        "the maximum. Makes warm starts of different seeds comparable.",
+    )
     sft_lr: float = _field(2e-3, "Warm-start learning rate.")
     sft_batch_size: int = _field(64, "Warm-start problems per step.")
     cache_dir: str | None = _field(
@@ -211,6 +217,11 @@ class TrainConfig:
         need(self.eval_size >= 1, "eval_size", "must be >= 1")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         need(self.sft_steps is None or self.sft_steps >= 0, "sft_steps", "must be >= 0")
+        need(
+            self.sft_target_accuracy is None or 0 < self.sft_target_accuracy <= 1,
+            "sft_target_accuracy",
+            "must be in (0, 1]",
+        )
         need(
             not (self.fsdp and self.mode == "async"),
             "fsdp",

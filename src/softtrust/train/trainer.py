@@ -62,6 +62,7 @@ from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from .warmstart import warm_start
 
 EVAL_SEED = 1_234_567  # the held-out set does not depend on the training seed
+VALIDATION_SEED, VALIDATION_SIZE = 7_654_321, 256  # --sft-target-accuracy's stopping set
 
 
 class TrainingStopped(RuntimeError):
@@ -368,7 +369,14 @@ def warm_start_policy(
 ) -> None:
     """The cached supervised warm start (``warmstart.py``), with a progress bar."""
     bar = run.simple_bar(steps, "warm start (supervised)") if config.progress and run.writes else None
-    cache_file, cached = warm_start(
+    target = None
+    if config.sft_target_accuracy is not None:
+        validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
+        target = (
+            config.sft_target_accuracy,
+            lambda trained: greedy_accuracy(trained, tokenizer, task, validation, config.max_new_tokens),
+        )
+    cache_file, cached, taken = warm_start(
         model,
         tokenizer,
         task,
@@ -384,10 +392,11 @@ def warm_start_policy(
         cache_dir=config.cache_dir,
         exclude=eval_problems,
         progress=(lambda step, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))) if bar else None,
+        target=target,
     )
     if bar:
         bar.close()
-    run.log_event({"warmstart": str(cache_file), "warmstart_cached": cached})
+    run.log_event({"warmstart": str(cache_file), "warmstart_cached": cached, "warmstart_steps": taken})
 
 
 def build_optimizer(model, config: TrainConfig):

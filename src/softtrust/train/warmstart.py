@@ -13,6 +13,7 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,9 +60,24 @@ def supervised_batch(tokenizer, task, problems) -> tuple[torch.Tensor, torch.Ten
 
 
 def supervised_finetune(
-    model, tokenizer, task, *, steps: int, lr: float, batch_size: int, seed: int, exclude=(), progress=None
-) -> None:
-    """``steps`` AdamW steps of cross-entropy on the task's targets (in place)."""
+    model,
+    tokenizer,
+    task,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    exclude=(),
+    progress=None,
+    reached=None,
+    check_every: int = 10,
+) -> int:
+    """At most ``steps`` AdamW steps of cross-entropy on the task's targets (in place).
+
+    ``reached``: optional ``f(model) -> bool`` called every ``check_every`` steps (and not
+    before the first); training stops as soon as it returns True. Returns the steps taken.
+    """
     from .rollout import ProblemSampler, position_ids_from_mask
 
     sampler = ProblemSampler(task, seed=seed + 1_000_003, exclude=exclude)
@@ -83,7 +99,11 @@ def supervised_finetune(
         optimizer.step()
         if progress is not None:
             progress(step, float(loss))
+        if reached is not None and (step + 1) % check_every == 0 and reached(model):
+            model.eval()
+            return step + 1
     model.eval()
+    return steps
 
 
 def warm_start(
@@ -99,27 +119,38 @@ def warm_start(
     cache_dir: str | None,
     exclude=(),
     progress=None,
-) -> tuple[Path | None, bool]:
+    target: tuple[float, Callable[[torch.nn.Module], float]] | None = None,
+) -> tuple[Path | None, bool, int]:
     """Load the cached warm start for this recipe, or train it and cache it atomically.
 
+    ``target``: ``(accuracy, accuracy_of)``: stop once ``accuracy_of(model) >= accuracy``
+    (checked every 10 steps; ``steps`` is then the maximum). The steps taken are stored
+    next to the weights, so a cached entry reports them too.
+
     Returns:
-        ``(cache_file, loaded_from_cache)``; ``(None, False)`` when ``steps == 0``.
+        ``(cache_file, loaded_from_cache, steps_taken)``; ``(None, False, 0)`` when ``steps == 0``.
     """
     if steps == 0:
-        return None, False
-    key = warmstart_key(task=task.name, steps=steps, lr=lr, batch_size=batch_size, seed=seed, **key_extra)
-    cache_file = cache_root(cache_dir) / "warmstart" / f"{key}.safetensors"
+        return None, False, 0
+    recipe = dict(task=task.name, steps=steps, lr=lr, batch_size=batch_size, seed=seed, **key_extra)
+    if target is not None:
+        recipe["target_accuracy"] = target[0]
+    cache_file = cache_root(cache_dir) / "warmstart" / f"{warmstart_key(**recipe)}.safetensors"
     if cache_file.is_file():
         try:
             load_model(model, str(cache_file))
             model.eval()
-            return cache_file, True
+            return cache_file, True, _steps_taken(cache_file, steps)
         except Exception:
             cache_file.unlink(missing_ok=True)  # a corrupt cache entry: retrain
     random_state = random.getstate(), torch.get_rng_state()
     torch.manual_seed(seed)
+    reached = None
+    if target is not None:
+        accuracy, accuracy_of = target
+        reached = lambda trained: accuracy_of(trained) >= accuracy  # noqa: E731
     try:
-        supervised_finetune(
+        taken = supervised_finetune(
             model,
             tokenizer,
             task,
@@ -129,6 +160,7 @@ def warm_start(
             seed=seed,
             exclude=exclude,
             progress=progress,
+            reached=reached,
         )
     finally:
         random.setstate(random_state[0])
@@ -137,9 +169,17 @@ def warm_start(
     descriptor, temporary = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".safetensors")
     os.close(descriptor)
     try:
-        save_model(model, temporary)
+        save_model(model, temporary, metadata={"steps_taken": str(taken)})
         os.replace(temporary, cache_file)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    return cache_file, False
+    return cache_file, False, taken
+
+
+def _steps_taken(cache_file: Path, default: int) -> int:
+    """The supervised steps a cached warm start took (its metadata; older entries: ``default``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(cache_file), framework="pt") as handle:
+        return int((handle.metadata() or {}).get("steps_taken", default))
