@@ -1003,6 +1003,7 @@ def plot_lr_stability(report: dict, path: Path) -> None:
     axis.set_yscale("log")
     axis.set_yticks(lrs)
     axis.set_yticklabels([f"{lr:g}" for lr in lrs])
+    axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_xticks(report["staleness"])
     axis.set_xticklabels([str(v) for v in report["staleness"]])
     axis.set_xlabel("staleness N" if axis_name == "N" else "async lag bound K")
