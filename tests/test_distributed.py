@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,14 +85,11 @@ def run_config(model_dir: str, output_dir: Path, **overrides) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
 def torchrun(values: dict, processes: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node P -m softtrust train --flags`` on a free port."""
+    """``torchrun --standalone --nproc_per_node P -m softtrust train --flags``.
+
+    ``--standalone``: the rendezvous binds a free port itself (choosing one here and passing
+    it as ``--master_port`` could race with another process taking it meanwhile)."""
     flags = []
     for name, value in values.items():
         flag = "--" + name.replace("_", "-")
@@ -105,12 +101,9 @@ def torchrun(values: dict, processes: int = 2, timeout: int = 240) -> subprocess
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nproc_per_node",
         str(processes),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
         "-m",
         "softtrust",
         "train",
