@@ -7,9 +7,10 @@ import torch
 
 import softtrust as st
 
-from helpers import loss_and_grad, random_batch
+from helpers import loss_and_grad, method_level_pairs, random_batch
 
 FUSED_METHODS = [name for name, cls in st.METHODS.items() if cls().fusable]
+FUSED_PAIRS = [(name, level) for name, level in method_level_pairs() if name in FUSED_METHODS]
 CORRECTIONS = [None, st.TIS(cap=1.5), st.TIS(level="sequence"), st.MIS(low=0.8, high=1.25), st.OPSM(0.05)]
 
 
@@ -75,12 +76,9 @@ def test_fused_clip_variants_equal_reference(params, level):
     assert_fused_equals_reference("clip", logprobs, old, advantages, mask, level=level, **params)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence-mean"])
-@pytest.mark.parametrize("method", FUSED_METHODS)
+@pytest.mark.parametrize(("method", "level"), FUSED_PAIRS)
 def test_fused_on_policy_ties_equal_reference(method, level):
     """r = 1 exactly: Clip's two branches tie, every clamp sits inside its interval."""
-    if level not in st.METHODS[method].levels:
-        pytest.skip(f"{method} refuses {level}")
     logprobs, _, advantages, mask = random_batch(batch=6, length=8, seed=37)
     grad = assert_fused_equals_reference(method, logprobs, logprobs, advantages, mask, level=level)
     scale = 0.9 if method == "pspo" else 1.0  # PSPO: (1-α)·A·∇logp on-policy
@@ -89,12 +87,9 @@ def test_fused_on_policy_ties_equal_reference(method, level):
     torch.testing.assert_close(grad, expected.to(grad.dtype), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence-mean"])
-@pytest.mark.parametrize("method", FUSED_METHODS)
+@pytest.mark.parametrize(("method", "level"), FUSED_PAIRS)
 def test_fused_log_ratios_beyond_the_clamp_equal_reference(method, level):
     """Token log-ratios of ±30 (clamped at ±20): zero gradient there, as ``clamp`` gives."""
-    if level not in st.METHODS[method].levels:
-        pytest.skip(f"{method} refuses {level}")
     logprobs, old, advantages, mask = random_batch(batch=6, length=8, seed=38)
     old = old.clone()
     old[0, 0], old[1, 0], old[2, 3] = logprobs[0, 0] + 30, logprobs[1, 0] - 30, logprobs[2, 3] - 25
