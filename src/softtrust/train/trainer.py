@@ -388,6 +388,12 @@ def warm_start_policy(
             "model": config.model or TinyModelConfig().__repr__(),
             "eval": (EVAL_SEED, config.eval_size),
             "dataset": config.dataset,
+            # the stopping rule's validation set and decoding length shape a target-accuracy warm start
+            **(
+                {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.max_new_tokens)}
+                if target is not None
+                else {}
+            ),
         },
         cache_dir=config.cache_dir,
         exclude=eval_problems,
