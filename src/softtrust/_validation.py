@@ -7,6 +7,7 @@ alone. Hyperparameter checks run at construction time (in ``__post_init__``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -81,3 +82,10 @@ def as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the math runs in: float64 stays float64, every other float runs in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=256)
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-dim tensor holding ``value``: building one per call costs more than the small
+    op that uses it, and a tensor operand is cheaper than a Python scalar (no wrapping per call)."""
+    return torch.tensor(value, dtype=dtype, device=device)

@@ -26,6 +26,7 @@ from softtrust._validation import (
     check_number,
     check_shape,
     compute_dtype,
+    constant,
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
@@ -251,7 +252,9 @@ class PolicyLoss:
             factor = as_float(keep, mask.dtype) * factor
         if isinstance(method, DetachedWeightMethod):
             weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
-            grad = torch.mul(mask, -(weight * batch.advantages) * factor, out=spare)  # [B, T]: ∂L/∂logp = m·c
+            coefficient = weight * batch.advantages * factor  # [B, 1] (or [B, T]): -c
+            zero = constant(0.0, mask.dtype, mask.device)
+            grad = torch.addcmul(zero, mask, coefficient, value=-1.0, out=spare)  # [B, T]: ∂L/∂logp = m·c
             loss = _with_gradient(batch.logprobs, grad)
         else:
             value, slope, stats = method.surrogate(log_ratio, batch.advantages, self.compute_metrics)

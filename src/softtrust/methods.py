@@ -16,14 +16,13 @@ fused path; ``loss`` stays the autograd reference the fused path is tested again
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 
-from softtrust._validation import check_number
+from softtrust._validation import check_number, constant
 from softtrust.ratios import LEVELS
 
 
@@ -142,16 +141,9 @@ class DetachedWeightMethod(Method):
 
 def _select(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
     """``where(condition, a, b)`` for two Python floats, in ``like``'s dtype (a bare float pair gives float32)."""
-    a, b = _scalar_pair(if_true, if_false, like.dtype, like.device)
-    return torch.where(condition, a, b)
-
-
-@functools.lru_cache(maxsize=256)
-def _scalar_pair(
-    a: float, b: float, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 0-dim constant tensors, cached: building them costs more than the op that uses them."""
-    return torch.tensor(a, dtype=dtype, device=device), torch.tensor(b, dtype=dtype, device=device)
+    return torch.where(
+        condition, constant(if_true, like.dtype, like.device), constant(if_false, like.dtype, like.device)
+    )
 
 
 _SUM_LEVEL_NOTE = (
@@ -463,11 +455,13 @@ class VESPO(DetachedWeightMethod):
     def phi(self, log_w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """φ(W) from ``log W`` and the advantage sign (no gradient), broadcast of both inputs."""
         log_w = log_w.detach().clamp(min=VESPO_LOG_W_FLOOR)
-        nonneg = advantages >= 0
+        nonneg = torch.ge(advantages, constant(0.0, advantages.dtype, advantages.device))
         k = _select(nonneg, self.k_pos, self.k_neg, advantages)
         lam = _select(nonneg, self.lambda_pos, self.lambda_neg, advantages)
-        # log φ = k·log W + λ·(1 - W), in log space: W^k underflows, e^{λW} overflows
-        log_phi = torch.addcmul(k * log_w, lam, torch.exp(log_w) - 1.0, value=-1.0)
+        # log φ = k·log W - λ·(W - 1), in log space (W^k underflows, e^{λW} overflows), with
+        # W - 1 = expm1(log W): exact near W = 1, and one op (a Python-scalar subtraction
+        # costs twice a tensor op at the small shapes where this is overhead-bound)
+        log_phi = torch.addcmul(k * log_w, lam, torch.expm1(log_w), value=-1.0)
         return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     def weight(self, log_ratio, advantages, with_stats):
