@@ -331,3 +331,82 @@ def test_lr_and_lrs_together_or_bad_rates_are_refused(sweep_env, tmp_path, capsy
     assert main(without_lr(sweep_argv(sweep_env, output, "clip", "1", "--lrs", "1e-3,-1"))) == 2
     assert "lrs" in capsys.readouterr().err
     assert cells_run(output) == []
+
+
+# ---------------------------------------------------------------------- presets and paired statistics
+@pytest.mark.parametrize("name", ["full", "quick", "addition", "lr-stability", "vespo-ablations"])
+def test_every_preset_builds_a_valid_grid(name, tmp_path):
+    from softtrust.cli import build_parser
+    from softtrust.sweep import PRESETS, sweep_from_arguments
+
+    arguments, extra = build_parser().parse_known_args(
+        ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
+    )
+    sweep = sweep_from_arguments(arguments, extra)
+    sweep.validate()  # every cell's TrainConfig, method spec and level
+    assert sweep.overrides.items() >= PRESETS[name]["overrides"].items()
+
+
+def test_quick_preset_is_the_first_half_of_full_study_cells(tmp_path):
+    """So the quick picture can be read against the full one cell by cell (docs/results.md)."""
+    from softtrust.cli import build_parser
+    from softtrust.sweep import sweep_from_arguments
+
+    def configs(preset):
+        argv = ["sweep", "--preset", preset, "--output-dir", str(tmp_path)]
+        sweep = sweep_from_arguments(*build_parser().parse_known_args(argv))
+        return {cell.name: sweep.cell_config(cell) for cell in sweep.cells()}
+
+    quick, full = configs("quick"), configs("full")
+    assert len(quick) == 4 and set(quick) <= set(full)
+    assert all(quick[name] == full[name].replace(max_steps=128) for name in quick)
+    config = next(iter(full.values()))
+    assert (config.task, config.max_steps, config.eval_size) == ("scratchpad", 256, 2000)
+    assert config.sft_target_accuracy == 0.3
+
+
+def synthetic_report(finals: dict, seeds=(0, 1, 2)) -> dict:
+    """A report with one run per (method, N, seed) from ``{(method, N): [final per seed or None]}``."""
+    records = []
+    for (method, n), values in finals.items():
+        runs = [
+            {"seed": seed, "final_accuracy": value, "auc_accuracy": None if value is None else value / 2}
+            for seed, value in zip(seeds, values, strict=True)
+        ]
+        records.append({"method": method, "N": n, "runs": runs})
+    methods = list(dict.fromkeys(method for method, _ in finals))
+    staleness = sorted({n for _, n in finals})
+    return {"axis": "N", "methods": methods, "staleness": staleness, "seeds": list(seeds), "records": records}
+
+
+def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_zero():
+    from softtrust.sweep import _paired_table, paired_differences
+
+    report = synthetic_report(
+        {
+            ("clip", 4): [0.50, 0.30, 0.70],  # seeds differ by 20 points...
+            ("clip", 64): [0.40, 0.21, 0.59],  # ...but every seed loses 9-11 points
+            ("vespo", 4): [0.55, 0.28, 0.75],
+            ("vespo", 64): [0.52, 0.30, None],  # seed 2 did not finish
+        }
+    )
+    entries = {(e["comparison"], e["measure"]): e for e in paired_differences(report)}
+    drop = entries[("clip: N = 64 − N = 4", "final_accuracy")]
+    assert drop["values"] == pytest.approx([-0.10, -0.09, -0.11])
+    assert drop["mean"] == pytest.approx(-0.10)
+    assert drop["ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3))
+    assert drop["excludes_zero"]
+    # unpaired, the same numbers would not separate: the per-cell intervals overlap widely
+    assert mean_std_ci([0.50, 0.30, 0.70])["ci95"] > 0.4
+    assert entries[("clip: N = 64 − N = 4", "auc_accuracy")]["mean"] == pytest.approx(-0.05)
+    vespo_drop = entries[("vespo: N = 64 − N = 4", "final_accuracy")]
+    assert vespo_drop["n"] == 2 and vespo_drop["values"] == pytest.approx([-0.03, 0.02])
+    assert not vespo_drop["excludes_zero"]
+    ahead = entries[("vespo − clip at N = 4", "final_accuracy")]
+    assert ahead["values"] == pytest.approx([0.05, -0.02, 0.05]) and not ahead["excludes_zero"]
+    assert ("clip − vespo at N = 4", "final_accuracy") not in entries  # vespo is the reference
+
+    report["paired"] = list(entries.values())
+    table = "\n".join(_paired_table(report))
+    assert "| clip: N = 64 − N = 4 | **-10.0 ± 2.5** | **-5.0 ± 1.2** |" in table
+    assert "| vespo: N = 64 − N = 4 | -0.5 ± 31.8 (n = 2) |" in table

@@ -436,3 +436,15 @@ def test_warm_start_stops_at_the_target_accuracy_and_caches_the_steps_it_took(tm
     higher, accuracy_higher = warm(0.6, tmp_path / "cache")
     assert not higher["warmstart_cached"] and higher["warmstart_steps"] > steps  # another entry, trained on
     assert accuracy_higher >= 0.6
+
+
+def test_a_shorter_step_budget_is_a_prefix_of_a_longer_run(micro_model_dir, tmp_path):
+    """The sweep's quick preset reads its runs as the first half of the full study's: nothing
+    before step S may depend on max_steps (rollouts, sampling, evaluation)."""
+    common = dict(staleness=2, method="vespo", eval_every=2)
+    short = train(micro_config(micro_model_dir, tmp_path / "short", max_steps=2, **common))
+    train(micro_config(micro_model_dir, tmp_path / "long", max_steps=4, **common))
+    short_metrics, long_metrics = read_metrics(tmp_path / "short"), read_metrics(tmp_path / "long")
+    assert [m["reward/mean"] for m in short_metrics] == [m["reward/mean"] for m in long_metrics[:2]]
+    assert [m["loss"] for m in short_metrics] == [m["loss"] for m in long_metrics[:2]]
+    assert long_metrics[1]["eval/accuracy"] == short["accuracy_after"]

@@ -59,43 +59,67 @@ LR_AXIS_FIELD = "lr"  # a shared override unless --lrs makes it a grid axis
 # Method-spec keys that go to TrainConfig fields instead of the method's parameters.
 SPEC_CONFIG_KEYS = ("level", "aggregation")
 
-# The setup knobs of the presets (never the methods' own defaults): 3-digit addition, the
+# The first setup (short completions): 3-digit addition (`aaa+bbb=` -> 4 digits + eos), the
 # embedded ~0.9 M-parameter Qwen2, G = 8, m = 32, AdamW 3e-4 (the trainer's defaults), 128
 # optimizer steps for every N, and a warm start of 620 supervised steps, which puts seed 0 at
 # 22 % held-out accuracy (the supervised curve is steep there: 550 steps give 7 %, 680 give 45 %).
-# 256 held-out problems (standard error of one evaluation at most 0.031).
-STUDY_SETUP = {"max_steps": 128, "sft_steps": 620, "eval_size": 256}
+# 256 held-out problems (standard error of one evaluation at most 0.031). Kept as
+# `--preset addition` and for the learning-rate view, whose documented results used it.
+ADDITION_SETUP = {"max_steps": 128, "sft_steps": 620, "eval_size": 256}
 
-# The full study: every seed warm-started to the same validation accuracy (30 %; a fixed step
-# count lands seeds at 22 % or 92 %), 5 seeds, 2,000 held-out problems (standard error of one
-# evaluation at most 0.011). 120 cells, about 2.5 h on 2 cores (estimated from the four-seed run).
-FULL_STUDY_SETUP = {**STUDY_SETUP, "sft_steps": 1500, "sft_target_accuracy": 0.3, "eval_size": 2000}
+# The study's default setup (long completions): 3-digit addition with a written carry
+# scratchpad (`123+459=` -> `3+9=12,2+5+1=8,1+4=5|0582`, ~26 tokens + eos; only the answer
+# after `|` is graded), every seed warm-started to 30 % validation accuracy, 256 optimizer
+# steps for every N (N = 64 is 4 rollouts), AdamW lr 1e-4 (at 3e-4 the first Adam step alone
+# moves the sampled sequences by ~6 nats of log-probability, and VESPO's weights vanish at
+# N = 64 before any staleness question arises), 2,000 held-out problems evaluated every 16
+# steps (standard error of one evaluation at most 0.011).
+STUDY_SETUP = {
+    "task": "scratchpad",
+    "max_new_tokens": 40,
+    "lr": 1e-4,
+    "max_steps": 256,
+    "sft_steps": 3000,
+    "sft_target_accuracy": 0.3,
+    "eval_size": 2000,
+    "eval_every": 16,
+}
 
 PRESETS = {
-    # The paper's comparison (GRPO-style clip, GSPO, SAPO, VESPO) plus CISPO and PSPO.
+    # The paper's comparison (GRPO-style clip, GSPO, SAPO, VESPO) plus CISPO and PSPO, with
+    # N = 1 as the on-policy reference: 120 cells of 256 steps, ~5 h on 2 cores (resumable).
     "full": {
         "methods": "clip,gspo,sapo,cispo,pspo,vespo",
         "staleness": "1,4,16,64",
         "seeds": "5",
-        "overrides": FULL_STUDY_SETUP,
+        "overrides": STUDY_SETUP,
     },
-    # The paper's four methods at N = 4, 16, 64, one seed, 128 steps, 256 held-out problems:
-    # 12 cells, under 20 minutes on 2 CPU cores with --jobs 2.
+    # The paper's central contrast, clipping against VESPO, at its two extremes of staleness,
+    # seed 0, 128 steps: the first half of 4 runs of the full study (every other setting is
+    # the same, and nothing before step 128 depends on the step budget), under 20 minutes
+    # on 2 CPU cores with --jobs 2.
     "quick": {
+        "methods": "clip,vespo",
+        "staleness": "4,64",
+        "seeds": "0,",
+        "overrides": {**STUDY_SETUP, "max_steps": 128},
+    },
+    # The first, short-completion setup (docs/results.md, "Short completions").
+    "addition": {
         "methods": "clip,gspo,sapo,vespo",
         "staleness": "4,16,64",
         "seeds": "1",
-        "overrides": STUDY_SETUP,
+        "overrides": ADDITION_SETUP,
     },
     # The learning-rate view: the largest stable lr of each method at N = 1 (on-policy: the lr
-    # effect alone), 16 and 64, from a short sweep (64 steps; at N = 64 that is one rollout).
-    # 48 cells, about 25 minutes on 2 CPU cores with --jobs 2.
+    # effect alone), 16 and 64, from a short sweep (64 steps; at N = 64 that is one rollout)
+    # on the short-completion setup. 48 cells, about 25 minutes on 2 CPU cores with --jobs 2.
     "lr-stability": {
         "methods": "clip,gspo,sapo,vespo",
         "staleness": "1,16,64",
         "seeds": "1",
         "lrs": [3e-4, 6e-4, 1e-3, 2e-3],
-        "overrides": {**STUDY_SETUP, "max_steps": 64},
+        "overrides": {**ADDITION_SETUP, "max_steps": 64},
     },
     # The paper's VESPO ablations: length normalisation (sequence-mean level) and symmetric kernels.
     "vespo-ablations": {
@@ -730,6 +754,79 @@ def lr_stability(report: dict) -> list[dict]:
     return rows
 
 
+PAIRED_MEASURES = (("final_accuracy", "final accuracy"), ("auc_accuracy", "area under the curve"))
+
+
+def paired_differences(report: dict) -> list[dict]:
+    """Differences between cells paired by seed, with a 95 % interval over seeds.
+
+    Every cell of one seed shares its warm start and its held-out set, so the difference
+    ``x[a, seed] - x[b, seed]`` removes the spread between seeds that widens the per-cell
+    intervals. Two families of comparisons, for the final accuracy and the area under
+    the accuracy curve:
+
+    * per method, the largest N minus the smallest (does staleness hurt it?);
+    * per N, the reference method minus every other one (``vespo`` when it is in the
+      grid, else the last method listed).
+
+    Each entry: ``{"comparison", "measure", "mean", "std", "ci95", "n", "values",
+    "excludes_zero"}`` (values are fractions, like the accuracies; ``n``: the seeds that
+    both cells completed). ``excludes_zero`` is the sweep's rule for claiming a difference.
+    """
+    axis, methods, values = report["axis"], report["methods"], report["staleness"]
+    runs = {}
+    for record in report["records"]:
+        for run in record["runs"]:
+            runs[(record["method"], record[axis], run["seed"])] = run
+    reference = "vespo" if "vespo" in methods else methods[-1]
+    pairs = []
+    if len(values) > 1:
+        low, high = min(values), max(values)
+        pairs += [(f"{m}: {axis} = {high} − {axis} = {low}", (m, high), (m, low)) for m in methods]
+    pairs += [
+        (f"{reference} − {m} at {axis} = {v}", (reference, v), (m, v))
+        for v in values
+        for m in methods
+        if m != reference
+    ]
+    entries = []
+    for comparison, first, second in pairs:
+        for key, _ in PAIRED_MEASURES:
+            differences = []
+            for seed in report["seeds"]:
+                a, b = runs.get((*first, seed)), runs.get((*second, seed))
+                if a and b and a[key] is not None and b[key] is not None:
+                    differences.append(a[key] - b[key])
+            stat = mean_std_ci(differences)
+            excludes_zero = stat["ci95"] is not None and abs(stat["mean"]) > stat["ci95"]
+            entries.append({"comparison": comparison, "measure": key, **stat, "excludes_zero": excludes_zero})
+    return entries
+
+
+def _paired_table(report: dict, heading: str = "##") -> list[str]:
+    """The paired differences as a table (points), bold where the interval excludes 0."""
+    entries = report.get("paired") or []
+    if len(report["seeds"]) < 2 or not entries:
+        return []
+    by_comparison: dict[str, dict] = {}
+    for entry in entries:
+        by_comparison.setdefault(entry["comparison"], {})[entry["measure"]] = entry
+    lines = [
+        f"{heading} Paired differences (points; mean ± 95 % CI over seeds; bold: the interval excludes 0)",
+        "",
+        "| comparison | " + " | ".join(title for _, title in PAIRED_MEASURES) + " |",
+        "| --- | " + " | ".join("---" for _ in PAIRED_MEASURES) + " |",
+    ]
+    for comparison, measures in by_comparison.items():
+        cells = []
+        for key, _ in PAIRED_MEASURES:
+            entry = measures[key]
+            text = format_stat(entry) + (f" (n = {entry['n']})" if entry["n"] < len(report["seeds"]) else "")
+            cells.append(f"**{text}**" if entry["excludes_zero"] else text)
+        lines.append(f"| {comparison} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def write_report(sweep: Sweep, wall_seconds: float | None = None, criterion: CollapseCriterion | None = None):
     """``summary.json``, ``summary.md``, ``curves.png``, ``final_vs_staleness.png``."""
     criterion = criterion or CollapseCriterion()
@@ -751,6 +848,8 @@ def write_report(sweep: Sweep, wall_seconds: float | None = None, criterion: Col
     }
     if sweep.lrs:
         report["lr_stability"] = lr_stability(report)
+    else:
+        report["paired"] = paired_differences(report)
     write_json(sweep.output_dir / "summary.json", report)
     (sweep.output_dir / "summary.md").write_text(markdown_table(report))
     first = at_lr(report, sweep.lrs[0]) if sweep.lrs else report  # the figures: the smallest lr
@@ -785,6 +884,7 @@ def markdown_table(report: dict) -> str:
         if lr is not None:
             lines += [f"## Learning rate {lr:g}", ""]
         lines += _measure_tables(at_lr(report, lr), heading="###" if lr is not None else "##")
+    lines += _paired_table(report)
     warm_starts = {}
     for record in report["records"]:
         for run in record["runs"]:
@@ -1030,7 +1130,8 @@ def add_sweep_arguments(parser) -> None:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="A predefined grid and setup (default: full, ~2.5 h on 2 cores; quick: under 20 min; "
+        help="A predefined grid and setup (default: full, the long-completion study, ~5 h on 2 cores, "
+        "resumable; quick: 8 of its cells, ~20 min; addition: the short-completion setup; "
         "lr-stability: the largest stable learning rate per method and N, ~25 min; "
         "vespo-ablations: the paper's VESPO ablations); flags override it.",
     )
