@@ -1197,7 +1197,10 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     }
     name = arguments.preset or "full"
     preset = PRESETS[name]
-    overrides = {**preset["overrides"], **overrides}  # flags override the preset's setup
+    setup = dict(preset["overrides"])
+    if arguments.lrs:  # --lrs makes lr a grid axis: it replaces the preset's lr (a given --lr is refused)
+        setup.pop(LR_AXIS_FIELD, None)
+    overrides = {**setup, **overrides}  # flags override the preset's setup
     overrides.setdefault("num_threads", 1)
     mode = overrides.get("mode", "sync")
     axis_text = arguments.staleness or preset["staleness"]
