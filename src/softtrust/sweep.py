@@ -87,7 +87,8 @@ STUDY_SETUP = {
 
 PRESETS = {
     # The paper's comparison (GRPO-style clip, GSPO, SAPO, VESPO) plus CISPO and PSPO, with
-    # N = 1 as the on-policy reference: 120 cells of 256 steps, ~5 h on 2 cores (resumable).
+    # N = 1 as the on-policy reference: 120 cells of 256 steps, 9-13 min a cell on one core,
+    # so ~9-11 h on 2 cores (estimated; resumable).
     "full": {
         "methods": "clip,gspo,sapo,cispo,pspo,vespo",
         "staleness": "1,4,16,64",
@@ -96,8 +97,8 @@ PRESETS = {
     },
     # The paper's central contrast, clipping against VESPO, at its two extremes of staleness,
     # seed 0, 128 steps: the first half of 4 runs of the full study (every other setting is
-    # the same, and nothing before step 128 depends on the step budget), under 20 minutes
-    # on 2 CPU cores with --jobs 2.
+    # the same, and nothing before step 128 depends on the step budget), about 14 minutes
+    # on 2 CPU cores with --jobs 2 (estimated from those runs' step times).
     "quick": {
         "methods": "clip,vespo",
         "staleness": "4,64",
@@ -803,7 +804,7 @@ def paired_differences(report: dict) -> list[dict]:
     return entries
 
 
-def _paired_table(report: dict, heading: str = "##") -> list[str]:
+def _paired_table(report: dict) -> list[str]:
     """The paired differences as a table (points), bold where the interval excludes 0."""
     entries = report.get("paired") or []
     if len(report["seeds"]) < 2 or not entries:
@@ -812,7 +813,7 @@ def _paired_table(report: dict, heading: str = "##") -> list[str]:
     for entry in entries:
         by_comparison.setdefault(entry["comparison"], {})[entry["measure"]] = entry
     lines = [
-        f"{heading} Paired differences (points; mean ± 95 % CI over seeds; bold: the interval excludes 0)",
+        "## Paired differences (points; mean ± 95 % CI over seeds; bold: the interval excludes 0)",
         "",
         "| comparison | " + " | ".join(title for _, title in PAIRED_MEASURES) + " |",
         "| --- | " + " | ".join("---" for _ in PAIRED_MEASURES) + " |",
@@ -1130,8 +1131,8 @@ def add_sweep_arguments(parser) -> None:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="A predefined grid and setup (default: full, the long-completion study, ~5 h on 2 cores, "
-        "resumable; quick: 8 of its cells, ~20 min; addition: the short-completion setup; "
+        help="A predefined grid and setup (default: full, the long-completion study, ~9-11 h on 2 cores, "
+        "resumable; quick: the first half of 4 of its runs, ~14 min; addition: the short-completion setup; "
         "lr-stability: the largest stable learning rate per method and N, ~25 min; "
         "vespo-ablations: the paper's VESPO ablations); flags override it.",
     )
