@@ -26,7 +26,6 @@ from softtrust._validation import (
     check_number,
     check_shape,
     compute_dtype,
-    constant,
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
@@ -252,9 +251,9 @@ class PolicyLoss:
             factor = as_float(keep, mask.dtype) * factor
         if isinstance(method, DetachedWeightMethod):
             weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
-            coefficient = weight * batch.advantages * factor  # [B, 1] (or [B, T]): -c
-            zero = constant(0.0, mask.dtype, mask.device)
-            grad = torch.addcmul(zero, mask, coefficient, value=-1.0, out=spare)  # [B, T]: ∂L/∂logp = m·c
+            coefficient = (weight * batch.advantages * factor).neg_()  # [B, 1] (or [B, T]): c, a fresh tensor
+            # not addcmul(0, m, c, value=-1): a broadcast 0-dim input makes it ~4× slower than mul at 64×4096
+            grad = torch.mul(mask, coefficient, out=spare)  # [B, T]: ∂L/∂logp = m·c
             loss = _with_gradient(batch.logprobs, grad)
         else:
             value, slope, stats = method.surrogate(log_ratio, batch.advantages, self.compute_metrics)

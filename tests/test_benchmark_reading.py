@@ -1,0 +1,33 @@
+"""The benchmark's written reading follows the measured numbers (benchmarks/bench_loss.py)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_loss
+
+
+def record(batch, length, st, trl):
+    names = ["st_vespo", "trl_vespo", "plain_vespo", "st_clip", "plain_clip", "st_sapo", "plain_sapo"]
+    ms = dict.fromkeys(names, 1.0)
+    ms.update(st_vespo=st, trl_vespo=trl)
+    return {"shape": (batch, length), "ms": ms}
+
+
+def test_reading_reports_the_long_shape_ratio_and_where_softtrust_is_behind():
+    text = bench_loss.reading([record(8, 128, 0.25, 0.20), record(64, 4096, 1.0, 2.0)])
+    assert "2.00× faster" in text and "(target ≥ 1.5×: met)" in text
+    assert "slower at 8 × 128, by 50 µs" in text and "not met" in text
+
+
+def test_reading_says_when_the_targets_are_missed_or_met():
+    text = bench_loss.reading([record(8, 128, 0.20, 0.25), record(64, 4096, 1.0, 1.2)])
+    assert "1.20× faster" in text and "(target ≥ 1.5×: **not met**)" in text
+    assert "no slower than TRL anywhere" in text
+
+
+def test_reading_without_trl():
+    results = [record(8, 128, 0.2, 0.2)]
+    del results[0]["ms"]["trl_vespo"]
+    assert "TRL is not installed" in bench_loss.reading(results)
