@@ -123,6 +123,17 @@ PRESETS = {
         "lrs": [3e-4, 6e-4, 1e-3, 2e-3],
         "overrides": {**ADDITION_SETUP, "max_steps": 64},
     },
+    # The learning-rate view on the long-completion setup: N = 4 against N = 64 (64 steps: at
+    # N = 64 one rollout from the warm start, the purest staleness test), lr from the study's
+    # 1e-4 up to 6e-4, 500 held-out problems (standard error at most 0.022, well inside the
+    # collapse criterion's 0.10). 32 cells of ~3 min on one core: ~50 min on 2 cores (estimated).
+    "lr-stability-long": {
+        "methods": "clip,gspo,sapo,vespo",
+        "staleness": "4,64",
+        "seeds": "1",
+        "lrs": [1e-4, 2e-4, 3e-4, 6e-4],
+        "overrides": {**STUDY_SETUP, "max_steps": 64, "eval_size": 500},
+    },
     # The paper's VESPO ablations: length normalisation (sequence-mean level) and symmetric kernels.
     "vespo-ablations": {
         "methods": "vespo,vespo[level=sequence-mean],vespo[k_neg=2,lambda_neg=3],vespo[k_pos=3,lambda_pos=2]",
@@ -1134,7 +1145,8 @@ def add_sweep_arguments(parser) -> None:
         choices=sorted(PRESETS),
         help="A predefined grid and setup (default: full, the long-completion study, ~5-6 h on 2 cores, "
         "resumable; quick: the first half of 4 of its runs, ~14 min; addition: the short-completion setup; "
-        "lr-stability: the largest stable learning rate per method and N, ~25 min; "
+        "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
+        "on the long-completion setup, ~50 min; "
         "vespo-ablations: the paper's VESPO ablations); flags override it.",
     )
     parser.add_argument(
@@ -1200,7 +1212,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     name = arguments.preset or "full"
     preset = PRESETS[name]
     setup = dict(preset["overrides"])
-    if arguments.lrs:  # --lrs makes lr a grid axis: it replaces the preset's lr (a given --lr is refused)
+    if arguments.lrs or preset.get("lrs"):  # an lr axis replaces the preset's lr (a given --lr is refused)
         setup.pop(LR_AXIS_FIELD, None)
     overrides = {**setup, **overrides}  # flags override the preset's setup
     overrides.setdefault("num_threads", 1)
