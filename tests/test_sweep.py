@@ -416,3 +416,14 @@ def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_ze
     table = "\n".join(_paired_table(report))
     assert "| clip: N = 64 − N = 4 | **-10.0 ± 2.5** | **-5.0 ± 1.2** |" in table
     assert "| vespo: N = 64 − N = 4 | -0.5 ± 31.8 (n = 2) |" in table
+
+
+def test_report_tables_mark_cells_with_fewer_seeds_than_the_grid():
+    """A partial grid (some seeds not run yet) must not read as the mean over every seed."""
+    from softtrust.sweep import format_stat
+
+    three, one = mean_std_ci([0.5, 0.6, 0.7]), mean_std_ci([0.5])
+    assert format_stat(three, seeds=3) == "60.0 ± 24.8"
+    assert format_stat(three, seeds=5) == "60.0 ± 24.8 (n = 3)"
+    assert format_stat(one, seeds=5) == "50.0 (n = 1)"
+    assert format_stat(mean_std_ci([]), seeds=5) == "—"

@@ -834,7 +834,7 @@ def _paired_table(report: dict) -> list[str]:
         cells = []
         for key, _ in PAIRED_MEASURES:
             entry = measures[key]
-            text = format_stat(entry) + (f" (n = {entry['n']})" if entry["n"] < len(report["seeds"]) else "")
+            text = format_stat(entry, len(report["seeds"]))
             cells.append(f"**{text}**" if entry["excludes_zero"] else text)
         lines.append(f"| {comparison} | " + " | ".join(cells) + " |")
     return [*lines, ""]
@@ -878,12 +878,16 @@ def at_lr(report: dict, lr: float | None) -> dict:
     return {**report, "records": [r for r in report["records"] if r.get("lr") == lr]}
 
 
-def format_stat(stat: dict) -> str:
+def format_stat(stat: dict, seeds: int | None = None) -> str:
+    """``mean ± ci`` in points; `` (n = k)`` when fewer than ``seeds`` runs (but some) went into it."""
     if stat["mean"] is None:
         return "—"
-    if stat["ci95"] is None:
-        return f"{100 * stat['mean']:.1f}"
-    return f"{100 * stat['mean']:.1f} ± {100 * stat['ci95']:.1f}"
+    text = (
+        f"{100 * stat['mean']:.1f}"
+        if stat["ci95"] is None
+        else f"{100 * stat['mean']:.1f} ± {100 * stat['ci95']:.1f}"
+    )
+    return text + (f" (n = {stat['n']})" if seeds is not None and stat["n"] < seeds else "")
 
 
 def markdown_table(report: dict) -> str:
@@ -919,7 +923,7 @@ def _report_header(report: dict) -> list[str]:
         "# Staleness sweep",
         "",
         f"Held-out greedy accuracy (%), mean over {seeds} seed(s)"
-        + (" ± 95 % CI (Student t)" if seeds > 1 else "")
+        + (" ± 95 % CI (Student t; `(n = k)`: only k of them ran)" if seeds > 1 else "")
         + f"; {axis} = "
         + ("synchronous staleness" if axis == "N" else "async lag bound")
         + ". Shared settings: "
@@ -965,7 +969,7 @@ def _measure_tables(report: dict, heading: str = "##") -> list[str]:
         lines += [f"{heading} {title}", "", "| " + " | ".join([axis, *methods]) + " |"]
         lines.append("| " + " | ".join(["---"] * (len(methods) + 1)) + " |")
         for value in report["staleness"]:
-            cells = [format_stat(by_cell[(m, value)][key]) for m in methods]
+            cells = [format_stat(by_cell[(m, value)][key], seeds) for m in methods]
             lines.append("| " + " | ".join([str(value), *cells]) + " |")
         lines.append("")
     lines += [f"{heading} Collapsed runs (collapsed / runs, first collapse step)", ""]
