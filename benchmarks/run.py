@@ -87,7 +87,7 @@ allocates more; the plain version 11. The rest are operations on [B, 1] tensors
 dominated by them and by the input checks (about 15 µs: dtypes, shapes, mask values,
 advantages) and the finiteness guard (about 3 µs), which TRL's expression does not do.
 
-Reading (written from this run's numbers; 2 CPU cores, no GPU lent to this task): {loss_reading}
+Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
 The `+metrics` column adds ratio, log-weight, φ and ESS statistics: small reductions and one
 host sync.
 

@@ -333,6 +333,17 @@ def test_lr_and_lrs_together_or_bad_rates_are_refused(sweep_env, tmp_path, capsy
     assert cells_run(output) == []
 
 
+def test_an_lr_flag_with_a_preset_that_has_an_lr_axis_is_refused(tmp_path):
+    from softtrust.cli import build_parser
+    from softtrust.sweep import sweep_from_arguments
+
+    arguments, extra = build_parser().parse_known_args(
+        ["sweep", "--preset", "lr-stability-long", "--lr", "3e-4", "--output-dir", str(tmp_path)]
+    )
+    with pytest.raises(ValueError, match=r"lr=0.0003 is given .* lrs=\[0.0001, 0.0002, 0.0003, 0.0006\]"):
+        sweep_from_arguments(arguments, extra).validate()
+
+
 # ---------------------------------------------------------------------- presets and paired statistics
 @pytest.mark.parametrize(
     "name", ["full", "quick", "addition", "lr-stability", "lr-stability-long", "vespo-ablations"]

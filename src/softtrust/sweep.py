@@ -87,7 +87,7 @@ STUDY_SETUP = {
 
 PRESETS = {
     # The paper's comparison (its Table 2: GRPO-style clip, GSPO, SAPO, VESPO) at N = 4, 16
-    # and 64: 60 cells of 256 steps, 9-13 min a cell on one core, so ~5-6 h on 2 cores
+    # and 64: 60 cells of 256 steps, 9-13 min a cell on one core, so ~4.5-6.5 h on 2 cores
     # (estimated; resumable). CISPO, PSPO and the on-policy N = 1 are one flag away
     # (--methods ...,cispo,pspo --staleness 1,4,16,64: 120 cells).
     "full": {
@@ -325,8 +325,8 @@ class Sweep:
             raise ValueError(f"sweep: {bad} are set per cell by --methods / --staleness / --seeds")
         if self.lrs is not None and LR_AXIS_FIELD in self.overrides:
             raise ValueError(
-                f"sweep: --lr={self.overrides[LR_AXIS_FIELD]} and --lrs={self.lrs} both given; "
-                "--lrs makes the learning rate a grid axis"
+                f"sweep: lr={self.overrides[LR_AXIS_FIELD]} is given (by --lr or --config) while the "
+                f"learning rate is a grid axis, lrs={self.lrs} (from --lrs or the preset); give one of them"
             )
         if self.mode == "sync" and any(n < 1 for n in self.staleness):
             raise ValueError(f"staleness: N must be >= 1 (got {self.staleness})")
@@ -1147,7 +1147,7 @@ def add_sweep_arguments(parser) -> None:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="A predefined grid and setup (default: full, the long-completion study, ~5-6 h on 2 cores, "
+        help="A predefined grid and setup (default: full, the long-completion study, ~4.5-6.5 h on 2 cores, "
         "resumable; quick: the first half of 4 of its runs, ~14 min; addition: the short-completion setup; "
         "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
         "on the long-completion setup, ~50 min; "
@@ -1162,7 +1162,9 @@ def add_sweep_arguments(parser) -> None:
     )
     parser.add_argument(
         "--staleness",
-        help="Staleness values N, comma-separated (in --mode async: the lag bounds K). [default: 1,4,16,64]",
+        help="Staleness values N, comma-separated (in --mode async: the lag bounds K). [default: "
+        + PRESETS["full"]["staleness"]
+        + "]",
     )
     parser.add_argument(
         "--max-lag",
@@ -1171,12 +1173,14 @@ def add_sweep_arguments(parser) -> None:
     )
     parser.add_argument(
         "--seeds",
-        help="A number of seeds S (seeds 0..S-1), or a comma-separated list ('1,' is seed 1 alone). [default: 5]",
+        help="A number of seeds S (seeds 0..S-1), or a comma-separated list ('1,' is seed 1 alone). [default: "
+        + PRESETS["full"]["seeds"]
+        + "]",
     )
     parser.add_argument(
         "--lrs",
         help="Learning rates, comma-separated: a third grid axis, and the report's largest stable "
-        "learning rate per method and N (replaces --lr). [default: none, --lr is shared]",
+        "learning rate per method and N (replaces --lr). [default: the preset's; none for full, where --lr is shared]",
     )
     parser.add_argument("--output-dir", dest="sweep_dir", help="Sweep directory [default: sweeps/<preset>].")
     parser.add_argument(
