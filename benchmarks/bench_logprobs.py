@@ -229,15 +229,12 @@ def cpu_model() -> str:
 
 def machine_description(threads: int) -> str:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    try:
-        import trl
+    from bench_loss import trl_version
 
-        trl_version = trl.__version__
-    except Exception:
-        trl_version = "not installed"
+    trl = trl_version() or "not installed"
     return (
         f"- CPU: {cpu_model()} ({os.cpu_count()} logical cores visible), torch threads: {threads}\n"
-        f"- torch {torch.__version__}, trl {trl_version}, Python {platform.python_version()}, "
+        f"- torch {torch.__version__}, trl {trl}, Python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}\n"
         f"- load average at start (1, 5, 15 min): {load}"
     )
