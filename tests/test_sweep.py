@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from softtrust.cli import main
-from softtrust.sweep import CollapseCriterion, mean_std_ci, split_methods
+from softtrust.sweep import EXIT_STOPPED, CollapseCriterion, mean_std_ci, read_run, split_methods
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)
@@ -217,6 +217,41 @@ def test_collapse_criterion_flags_stopped_and_nonfinite_runs():
         7,
         "nonfinite",
     )
+
+
+def write_run(directory: Path, accuracies: list[tuple[int, float]], steps_done: int, **outcome) -> Path:
+    """A run directory as the trainer leaves it: metrics, and a summary only when it finished."""
+    directory.mkdir(parents=True)
+
+    def jsonl(records: list[dict]) -> str:
+        return "".join(json.dumps(record) + "\n" for record in records)
+
+    (directory / "metrics.jsonl").write_text(
+        jsonl([{"step": s, "reward/mean": 0.5} for s in range(1, steps_done + 1)])
+    )
+    (directory / "events.jsonl").write_text(jsonl([{"step": s, "eval/accuracy": v} for s, v in accuracies]))
+    if "summary" in outcome:
+        (directory / "summary.json").write_text(json.dumps(outcome["summary"]))
+    if "returncode" in outcome:
+        (directory / "sweep-cell.json").write_text(json.dumps({"returncode": outcome["returncode"]}))
+    return directory
+
+
+def test_only_finished_or_stopped_runs_report_a_best_accuracy(tmp_path):
+    curve = [(0, 0.30), (16, 0.50), (32, 0.40)]
+    done = {"steps": 32, "accuracy_before": 0.30, "accuracy_after": 0.40}
+    complete = read_run(write_run(tmp_path / "done", curve, 32, summary=done), 32, CollapseCriterion())
+    assert (complete["status"], complete["best_accuracy"], complete["best_step"]) == ("complete", 0.50, 16)
+    assert complete["final_accuracy"] == 0.40
+    # still running (no summary yet): its best so far is not a result, like its final
+    running = read_run(write_run(tmp_path / "running", curve[:2], 20), 32, CollapseCriterion())
+    assert running["status"] == "incomplete"
+    assert running["best_accuracy"] is None and running["final_accuracy"] is None
+    # stopped by the trainer (a collapse): its best stands, it will not go on
+    stopped = read_run(
+        write_run(tmp_path / "stopped", curve[:2], 20, returncode=EXIT_STOPPED), 32, CollapseCriterion()
+    )
+    assert (stopped["status"], stopped["best_accuracy"], stopped["collapsed"]) == ("stopped", 0.50, True)
 
 
 # ---------------------------------------------------------------------- (4) on-policy sanity

@@ -13,7 +13,7 @@ The sweep directory holds:
 | ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
 | ``sweep.json`` | the grid and the shared overrides |
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
-| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses |
+| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses (a run still going counts in the collapses and curves only: its best so far is not a result) |
 | ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods |
 | ``curves.png``, ``final_vs_staleness.png`` | the figures (with ``--lrs``: at the smallest learning rate) |
 | ``lr_stability.png`` | with ``--lrs``: the largest stable learning rate against N, one line per method |
@@ -674,7 +674,9 @@ def read_run(directory: Path, max_steps: int, criterion: CollapseCriterion) -> d
     collapsed, collapse_step, reason = criterion.check(
         accuracy_before, accuracies, rewards, stopped=stopped, nonfinite_steps=nonfinite
     )
-    after = [(step, value) for step, value in accuracies if step > 0]
+    # the best of a run still going (or crashed) is not comparable to a finished run's;
+    # a stopped run (the trainer gave up on it) keeps its best, since it will not go on
+    after = [(step, value) for step, value in accuracies if step > 0 and (complete or stopped)]
     best_step, best = max(after, key=lambda item: item[1]) if after else (None, None)
     final = summary["accuracy_after"] if complete else None
     window = max(1, len(rewards) // 10)
