@@ -87,8 +87,8 @@ STUDY_SETUP = {
 
 PRESETS = {
     # The paper's comparison (its Table 2: GRPO-style clip, GSPO, SAPO, VESPO) at N = 4, 16
-    # and 64: 60 cells of 256 steps, 9-13 min a cell on one core, so ~4.5-6.5 h on 2 cores
-    # (estimated; resumable). CISPO, PSPO and the on-policy N = 1 are one flag away
+    # and 64: 60 cells of 256 steps, 11-16 min a cell on one core (measured), so ~6.5 h on 2 cores
+    # (resumable). CISPO, PSPO and the on-policy N = 1 are one flag away
     # (--methods ...,cispo,pspo --staleness 1,4,16,64: 120 cells).
     "full": {
         "methods": "clip,gspo,sapo,vespo",
@@ -1149,7 +1149,7 @@ def add_sweep_arguments(parser) -> None:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="A predefined grid and setup (default: full, the long-completion study, ~4.5-6.5 h on 2 cores, "
+        help="A predefined grid and setup (default: full, the long-completion study, ~6.5 h on 2 cores, "
         "resumable; quick: the first half of 4 of its runs, ~16 min; addition: the short-completion setup; "
         "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
         "on the long-completion setup, ~50 min; "
