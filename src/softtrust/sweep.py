@@ -87,7 +87,7 @@ STUDY_SETUP = {
 
 PRESETS = {
     # The paper's comparison (its Table 2: GRPO-style clip, GSPO, SAPO, VESPO) at N = 4, 16
-    # and 64: 60 cells of 256 steps, 11-16 min a cell on one core (measured), so ~6.5 h on 2 cores
+    # and 64: 60 cells of 256 steps, 9-15 min a cell on one core (measured), so ~6.5 h on 2 cores
     # (resumable). CISPO, PSPO and the on-policy N = 1 are one flag away
     # (--methods ...,cispo,pspo --staleness 1,4,16,64: 120 cells).
     "full": {
