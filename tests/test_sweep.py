@@ -219,7 +219,13 @@ def test_collapse_criterion_flags_stopped_and_nonfinite_runs():
     )
 
 
-def write_run(directory: Path, accuracies: list[tuple[int, float]], steps_done: int, **outcome) -> Path:
+def write_run(
+    directory: Path,
+    accuracies: list[tuple[int, float]],
+    steps_done: int,
+    summary: dict | None = None,
+    returncode: int | None = None,
+) -> Path:
     """A run directory as the trainer leaves it: metrics, and a summary only when it finished."""
     directory.mkdir(parents=True)
 
@@ -230,10 +236,10 @@ def write_run(directory: Path, accuracies: list[tuple[int, float]], steps_done: 
         jsonl([{"step": s, "reward/mean": 0.5} for s in range(1, steps_done + 1)])
     )
     (directory / "events.jsonl").write_text(jsonl([{"step": s, "eval/accuracy": v} for s, v in accuracies]))
-    if "summary" in outcome:
-        (directory / "summary.json").write_text(json.dumps(outcome["summary"]))
-    if "returncode" in outcome:
-        (directory / "sweep-cell.json").write_text(json.dumps({"returncode": outcome["returncode"]}))
+    if summary is not None:
+        (directory / "summary.json").write_text(json.dumps(summary))
+    if returncode is not None:
+        (directory / "sweep-cell.json").write_text(json.dumps({"returncode": returncode}))
     return directory
 
 
