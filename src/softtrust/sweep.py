@@ -126,7 +126,7 @@ PRESETS = {
     # The learning-rate view on the long-completion setup: N = 4 against N = 64 (64 steps: at
     # N = 64 one rollout from the warm start, the purest staleness test), lr from the study's
     # 1e-4 up to 6e-4, 500 held-out problems (standard error at most 0.022, well inside the
-    # collapse criterion's 0.10). 32 cells of ~3 min on one core: ~50 min on 2 cores (estimated).
+    # collapse criterion's 0.10). 32 cells: 55 min on 2 cores with --jobs 2 (measured; docs/results.md).
     "lr-stability-long": {
         "methods": "clip,gspo,sapo,vespo",
         "staleness": "4,64",
@@ -1152,7 +1152,7 @@ def add_sweep_arguments(parser) -> None:
         help="A predefined grid and setup (default: full, the long-completion study, ~6.5 h on 2 cores, "
         "resumable; quick: the first half of 4 of its runs, ~16 min; addition: the short-completion setup; "
         "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
-        "on the long-completion setup, ~50 min; "
+        "on the long-completion setup, ~55 min; "
         "vespo-ablations: the paper's VESPO ablations); flags override it.",
     )
     parser.add_argument(
