@@ -296,7 +296,12 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 3)
     output = args.output or (None if args.quick else DEFAULT_OUTPUT)
     variants = [name for name in VARIANTS if trl_available() or not name.startswith("trl")]
-    command = "python benchmarks/bench_logprobs.py" + (" --quick" if args.quick else "")
+    flags = [
+        ("--quick", args.quick),
+        (f"--repeats {args.repeats}", args.repeats),
+        (f"--warmup {args.warmup}", args.warmup),
+    ]
+    command = " ".join(["python benchmarks/bench_logprobs.py"] + [flag for flag, given in flags if given])
 
     machine = machine_description(args.threads)
     # Warm-up: every variant once on a small shape loads its kernels and lazy imports.
