@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/bench_logprobs.py            # realistic shapes, writes docs/benchmarks_logprobs.md
     python benchmarks/bench_logprobs.py --quick    # small shapes, prints only
+    python benchmarks/bench_logprobs.py --tiles 1024x8192,2048x2048,512x2048   # tile shapes, prints only
 
 Each variant runs forward + backward of ``Σ log p(label)`` with gradients for the
 hidden states and the LM-head weight (a bias-free head, as in Qwen2.5 and Llama):
@@ -133,6 +134,31 @@ fused `ChunkedLogProbFunction` (torch fallback off GPU). Ratios are medians of p
 ratios to `unfused`. Peak memory: resident high-water mark of one forward + backward in
 a fresh process, above the inputs (it includes the hidden and W gradients)."""
 NO_MEMORY = {"GEMM floor (3 GEMMs)"}  # holds the logits but no autograd state: not comparable
+
+
+def tile_variant(tile: str) -> str:
+    """Register ``token_logprobs`` with ``TOKENSxVOCAB`` tiles as a variant; return its name."""
+    tokens, vocab = (int(x) for x in tile.lower().split("x"))
+
+    def run(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+        from softtrust.logprobs import token_logprobs
+
+        token_logprobs(hidden, weight, labels, chunk_size=tokens, vocab_chunk_size=vocab).sum().backward()
+
+    name = f"softtrust tiles {tokens} x {vocab}"
+    VARIANTS[name] = run
+    return name
+
+
+def compare_tiles(tiles: str, shapes: tuple[Shape, ...], repeats: int) -> None:
+    """Print each tile shape's time over ``unfused`` (medians of same-round ratios), no memory."""
+    names = [tile_variant(tile) for tile in tiles.split(",")]
+    for shape in shapes:
+        times = time_variants(shape, ["unfused", *names], 0, repeats)
+        ratios = ", ".join(
+            f"{name}: {paired_ratio(times[name], times['unfused'], 'wall'):.2f}" for name in names
+        )
+        print(f"{shape.label()}: wall / unfused: {ratios}", flush=True)
 
 
 def trl_available() -> bool:
@@ -283,6 +309,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="full-size warm-up rounds (default 0)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--output", type=Path, default=None, help=f"markdown file (default {DEFAULT_OUTPUT})")
+    parser.add_argument(
+        "--tiles", default=None, help="compare tile shapes TOKENSxVOCAB,... against unfused (prints only)"
+    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -294,6 +323,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     repeats = args.repeats or (2 if args.quick else 3)
+    if args.tiles:
+        compare_tiles(args.tiles, shapes, repeats)
+        return
     output = args.output or (None if args.quick else DEFAULT_OUTPUT)
     variants = [name for name in VARIANTS if trl_available() or not name.startswith("trl")]
     flags = [

@@ -41,8 +41,8 @@ IGNORE_INDEX = -100
 # cost (thread synchronisation on CPU, a kernel launch on GPU), so tiles must not be tiny;
 # but a tile that stays in the CPU's last-level cache makes its elementwise passes (max,
 # exp, sum; exp again in backward) and the GEMM that reads it back cheaper. Measured on a
-# 2-core EPYC (docs/benchmarks.md): 2048 x 2048 tiles ran forward + backward 0.93-1.21x the
-# unfused path where 1024 x 8192 tiles ran 1.08-1.34x; smaller tiles (512 x 2048) lost again.
+# 2-core EPYC (`bench_logprobs.py --tiles`, docs/benchmarks.md): 2048 x 2048 tiles ran
+# forward + backward 0.93-1.21x the unfused path, 1024 x 8192 tiles 0.95-1.27x, 512 x 2048 0.99-1.27x.
 TILE_ELEMENTS = 1 << 22
 # Vocabularies larger than this are split into chunks folded by the online log-sum-exp.
 DEFAULT_VOCAB_CHUNK_SIZE = 2048
