@@ -97,6 +97,27 @@ def test_fused_log_ratios_beyond_the_clamp_equal_reference(method, level):
     assert_fused_equals_reference(method, logprobs, old, advantages, mask, level=level)
 
 
+@pytest.mark.parametrize("compute_metrics", [False, True])
+@pytest.mark.parametrize("shift", [0.0, 4.0], ids=["inside-the-clamp", "sequence-sums-beyond-it"])
+@pytest.mark.parametrize(("method", "level"), FUSED_PAIRS)
+def test_fused_token_mean_equals_reference(method, level, shift, compute_metrics):
+    """Token-mean with the default token count: without metrics the fused path keeps no per-row
+    counts and takes the count as a number; at sequence-sum it skips the clamp only when
+    ``T·max|log r_t|`` proves it the identity (a wrong skip shows in the log W metrics).
+
+    ``shift = 4`` puts every token log-ratio near +4, so long rows of 8 sum past the clamp of 20;
+    with no shift the bound ``8·max|log r_t|`` is inside it.
+    """
+    logprobs, old, advantages, mask = random_batch(batch=6, length=8, seed=39)
+    old = old - shift
+    log_ratio = logprobs.detach() - old
+    assert ((log_ratio * mask).sum(-1).max() > 20) == (shift > 0)  # the case the parameter names
+    assert (8 * log_ratio.abs().max() <= 0.99 * 20) == (shift == 0)
+    assert_fused_equals_reference(
+        method, logprobs, old, advantages, mask, level=level, compute_metrics=compute_metrics
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_equals_reference_in_low_precision(dtype):
     logprobs, old, advantages, mask = random_batch(batch=8, length=32, seed=33, dtype=torch.float32)
@@ -109,15 +130,18 @@ def test_fused_equals_reference_in_low_precision(dtype):
     torch.testing.assert_close(grad_f.float(), grad_r.float(), rtol=1e-2, atol=1e-6)
 
 
-def test_fused_path_is_taken_for_finite_inputs_and_left_for_non_finite_ones():
+@pytest.mark.parametrize("compute_metrics", [True, False])
+def test_fused_path_is_taken_for_finite_inputs_and_left_for_non_finite_ones(compute_metrics):
     logprobs, old, advantages, mask = random_batch(seed=34)
     leaf = logprobs.clone().requires_grad_(True)
-    out = st.PolicyLoss("vespo")(leaf, old, advantages, mask)
+    loss_fn = st.PolicyLoss("vespo", compute_metrics=compute_metrics)
+    out = loss_fn(leaf, old, advantages, mask)
     assert type(out.loss.grad_fn).__name__ == "DotBackward0"  # the fused contraction
     poisoned = torch.where(mask, old, float("nan"))
-    out = st.PolicyLoss("vespo")(leaf, poisoned, advantages, mask)
+    out = loss_fn(leaf, poisoned, advantages, mask)
     assert type(out.loss.grad_fn).__name__ != "DotBackward0"
-    assert torch.isfinite(out.loss)
+    expected = st.PolicyLoss("vespo", fused=False)(leaf, old, advantages, mask).loss
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-12)  # masked NaN changes nothing
 
 
 def test_fused_flag_off_uses_the_elementwise_path():

@@ -89,3 +89,11 @@ def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Te
     """A cached 0-dim tensor holding ``value``: building one per call costs more than the small
     op that uses it, and a tensor operand is cheaper than a Python scalar (no wrapping per call)."""
     return torch.tensor(value, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def constants(
+    values: tuple[float, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """:func:`constant` for several values with one cache lookup (a function's whole set of constants)."""
+    return tuple(constant(value, dtype, device) for value in values)

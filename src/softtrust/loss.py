@@ -26,6 +26,7 @@ from softtrust._validation import (
     check_number,
     check_shape,
     compute_dtype,
+    constant,
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
@@ -148,6 +149,8 @@ class PolicyLoss:
             out = self._fused_loss(batch, normalisers)
             if out is not None:
                 return out
+        if batch.num_active is None:
+            batch = batch._replace(num_active=batch.mask.sum(dim=-1, keepdim=True))
         zero_masked = _mask_multiply if _all_finite(batch) else _mask_where
         return self._reference_loss(_zero_masked_positions(batch, zero_masked), normalisers)
 
@@ -232,7 +235,9 @@ class PolicyLoss:
         else:  # from here on only Σ_t m·log r_t is needed: mask the buffer in place, reuse it below
             seq_log_weight = tok_log_ratio.mul_(mask).sum(dim=-1, keepdim=True)  # [B, 1]: Σ_t m·log r_t
             if self.level == "sequence-sum":
-                log_ratio = seq_log_weight.clamp(-clamp, clamp)
+                # |Σ_t m·log r_t| <= T·max_t |log r_t|: when that bound is inside the clamp, skip it
+                inside = mask.shape[-1] * max(-lowest, highest) <= 0.99 * clamp
+                log_ratio = seq_log_weight if inside else seq_log_weight.clamp(-clamp, clamp)
             else:
                 log_ratio = seq_log_weight / num_active.clamp(min=1)
         spare = None if self.level == "token" else tok_log_ratio  # a free [B, T] buffer
@@ -251,7 +256,12 @@ class PolicyLoss:
             factor = as_float(keep, mask.dtype) * factor
         if isinstance(method, DetachedWeightMethod):
             weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
-            coefficient = (weight * batch.advantages * factor).neg_()  # [B, 1] (or [B, T]): c, a fresh tensor
+            if isinstance(factor, float):  # c = -w·A·factor in one op (a Python-scalar multiply costs two)
+                zero = constant(0.0, weight.dtype, weight.device)
+                coefficient = torch.addcmul(zero, weight, batch.advantages, value=-factor)
+            else:
+                coefficient = (weight * batch.advantages * factor).neg_()
+            # coefficient: [B, 1] (or [B, T]), a fresh tensor
             # not addcmul(0, m, c, value=-1): a broadcast 0-dim input makes it ~4× slower than mul at 64×4096
             grad = torch.mul(mask, coefficient, out=spare)  # [B, T]: ∂L/∂logp = m·c
             loss = _with_gradient(batch.logprobs, grad)
@@ -310,6 +320,15 @@ class PolicyLoss:
             log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, batch.mask, batch.num_active
         )
 
+    def _only_token_count(self) -> bool:
+        """True when the fused path needs no per-row token count, only the batch's total (one sum fewer)."""
+        return (
+            self.aggregation == "token-mean"
+            and self.level != "sequence-mean"
+            and not self.corrections
+            and not self.compute_metrics
+        )
+
     def _check(self, logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs) -> _Batch:
         """Check every input and cast it to the compute dtype (float32, or float64 for float64 input)."""
         check_float_tensor("logprobs", logprobs)
@@ -348,7 +367,7 @@ class PolicyLoss:
             mask=mask,
             rollout=rollout,
             ref=ref,
-            num_active=mask.sum(dim=-1, keepdim=True),  # [B, 1]
+            num_active=None if self._only_token_count() else mask.sum(dim=-1, keepdim=True),
             zeroed=False,
         )
 
@@ -362,7 +381,7 @@ class _Batch(NamedTuple):
     mask: torch.Tensor  # [B, T] 0/1 float
     rollout: torch.Tensor | None  # [B, T]
     ref: torch.Tensor | None  # [B, T]
-    num_active: torch.Tensor  # [B, 1]
+    num_active: torch.Tensor | None  # [B, 1] Σ_t m_t; None when only the total is needed (fused path)
     zeroed: bool
 
 

@@ -22,7 +22,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from softtrust._validation import check_number, constant
+from softtrust._validation import check_number, constant, constants
 from softtrust.ratios import LEVELS
 
 
@@ -454,15 +454,20 @@ class VESPO(DetachedWeightMethod):
 
     def phi(self, log_w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """φ(W) from ``log W`` and the advantage sign (no gradient), broadcast of both inputs."""
-        log_w = log_w.detach().clamp(min=VESPO_LOG_W_FLOOR)
-        nonneg = torch.ge(advantages, constant(0.0, advantages.dtype, advantages.device))
-        k = _select(nonneg, self.k_pos, self.k_neg, advantages)
-        lam = _select(nonneg, self.lambda_pos, self.lambda_neg, advantages)
+        zero, floor, k_pos, k_neg, lam_pos, lam_neg = constants(
+            (0.0, VESPO_LOG_W_FLOOR, self.k_pos, self.k_neg, self.lambda_pos, self.lambda_neg),
+            advantages.dtype,
+            advantages.device,
+        )  # one cached lookup: at small shapes this function is per-op overhead, not arithmetic
+        log_w = torch.clamp_min(log_w.detach() if log_w.requires_grad else log_w, floor)
+        nonneg = torch.ge(advantages, zero)
+        k = torch.where(nonneg, k_pos, k_neg)
+        lam = torch.where(nonneg, lam_pos, lam_neg)
         # log φ = k·log W - λ·(W - 1), in log space (W^k underflows, e^{λW} overflows), with
         # W - 1 = expm1(log W): exact near W = 1, and one op (a Python-scalar subtraction
         # costs twice a tensor op at the small shapes where this is overhead-bound)
         log_phi = torch.addcmul(k * log_w, lam, torch.expm1(log_w), value=-1.0)
-        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        return torch.exp(log_phi).nan_to_num_(0.0, 0.0, 0.0)  # NaN, ±inf -> 0 (in place: a fresh tensor)
 
     def weight(self, log_ratio, advantages, with_stats):
         phi = self.phi(log_ratio, advantages)  # [B, 1] (or [B, T] with token advantages)
