@@ -106,6 +106,20 @@ def test_aggregation_closed_forms(aggregation, expected):
     assert out.loss.item() == pytest.approx(expected(per_token, mask.double()).item(), rel=1e-12)
 
 
+@pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
+def test_aggregate_reads_no_host_values_so_vmap_batches_it(aggregation):
+    """``st.aggregate`` stays a pure tensor function (no ``.item()``): vmap over a stack of
+    batches equals aggregating each batch alone."""
+    logprobs, _, _, mask = random_batch(batch=4, length=6, seed=18)
+    losses = torch.stack([logprobs.detach(), 2 * logprobs.detach()])
+    masks = torch.stack([mask.double(), torch.roll(mask, 1, dims=1).double()])
+    batched = torch.func.vmap(lambda loss, m: st.aggregate(loss, m, aggregation))(losses, masks)
+    expected = torch.stack(
+        [st.aggregate(loss, m, aggregation) for loss, m in zip(losses, masks, strict=True)]
+    )
+    torch.testing.assert_close(batched, expected)
+
+
 # --- corrections -----------------------------------------------------------------------------------
 
 

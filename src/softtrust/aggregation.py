@@ -62,8 +62,6 @@ def aggregation_weights(
     if mode == "token-mean":
         if num_tokens is None:
             num_tokens = mask.sum() if num_active is None else num_active.sum()
-            if num_tokens.is_cpu:  # a number (no sync on CPU): saves the clamp and reciprocal ops
-                num_tokens = num_tokens.item()
         return _reciprocal(_at_least_one(num_tokens, dtype))
     num_sequences = _at_least_one(mask.shape[0] if num_sequences is None else num_sequences, dtype)
     if mode == "seq-mean-token-mean":

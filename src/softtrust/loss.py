@@ -242,6 +242,10 @@ class PolicyLoss:
                 log_ratio = seq_log_weight / num_active.clamp(min=1)
         spare = None if self.level == "token" else tok_log_ratio  # a free [B, T] buffer
         log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
+        if self.aggregation == "token-mean" and normalisers["num_tokens"] is None and mask.is_cpu:
+            # this path reads host values anyway: the count as a number saves its clamp and reciprocal
+            count = mask.sum() if num_active is None else num_active.sum()
+            normalisers = {**normalisers, "num_tokens": count.item()}
         factor = aggregation_weights(
             mask,
             self.aggregation,
