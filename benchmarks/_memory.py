@@ -1,7 +1,12 @@
 """Peak CPU memory of one call, as the kernel sees it (resident set high-water mark).
 
-PyTorch's CPU allocator hands large tensors straight to ``mmap`` and back, so the
-resident set size tracks live tensors closely. The peak is read from ``VmHWM`` in
+PyTorch's CPU allocator takes large tensors from glibc's ``malloc``, which maps blocks
+above its mmap threshold straight from the kernel and returns them on free, so the
+resident set size tracks live tensors. glibc raises that threshold (up to 32 MiB) each
+time it frees a mapped block, after which blocks of that size come from the heap and stay
+resident when freed: memory measured after a warm-up then starts from a baseline that
+already holds them, and the peak is understated. A process that measures after a warm-up
+runs with :data:`FIXED_MMAP_ENV`, which fixes the threshold at 1 MiB. The peak is read from ``VmHWM`` in
 ``/proc/self/status`` after resetting it (``echo 5 > /proc/self/clear_refs``, Linux
 >= 4.0). ``getrusage(RUSAGE_SELF).ru_maxrss`` is the fallback where that is not
 possible; it cannot be reset, and in a child process it also remembers the parent's
@@ -13,6 +18,9 @@ from __future__ import annotations
 import resource
 from collections.abc import Callable
 from pathlib import Path
+
+# Environment for a measuring process: every block of 1 MiB or more is mapped and returned on free.
+FIXED_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")

@@ -8,14 +8,18 @@ Usage:
 (logits for the completion positions only, as TRL asks for them), ``log_softmax`` in
 float32 and a gather. Both then take the same
 ``PolicyLoss("vespo")`` and ``backward``. Each variant's peak resident memory is
-measured in a fresh process (``benchmarks/_memory.py``), its time as the median of
-repeated steps after a warm-up step.
+measured in a fresh process after a warm-up step, with glibc's mmap threshold fixed
+(``benchmarks/_memory.py``: otherwise the warm-up leaves freed blocks resident and the
+peak is understated, by a different amount each run). Times come from one more fresh
+process with the default allocator: both variants stepped in turn, after a warm-up step
+each; the time ratio is the median of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -71,36 +75,62 @@ def step(variant: str, model, input_ids, attention_mask, completion_mask, old, a
     model.zero_grad(set_to_none=True)
 
 
+VARIANTS = ("unfused", "fused")
+
+
 def child(variant: str, shape: tuple[int, int, int], threads: int, repeats: int) -> dict:
+    """In a fresh process, after a warm-up step of each variant it runs: ``variant`` "time"
+    times ``repeats`` rounds of one step of every variant in turn (median step time and the
+    median of the per-round time ratios); a variant's name measures its peak memory of one step."""
     sys.path.insert(0, str(HERE))
     from _memory import peak_delta_mib
 
     torch.set_num_threads(threads)
     tensors = build(*shape)
-    step(variant, *tensors)  # warm-up (and allocator steady state)
-    peak, method = peak_delta_mib(lambda: step(variant, *tensors))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(variant, *tensors)
-        times.append(time.perf_counter() - start)
-    return {"peak_mib": peak, "memory_method": method, "seconds": statistics.median(times)}
+    if variant != "time":
+        step(variant, *tensors)  # warm-up (and allocator steady state)
+        peak, method = peak_delta_mib(lambda: step(variant, *tensors))
+        return {"peak_mib": peak, "memory_method": method}
+    for name in VARIANTS:
+        step(name, *tensors)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(repeats):  # round-robin: machine noise hits both variants alike
+        for name in VARIANTS:
+            start = time.perf_counter()
+            step(name, *tensors)
+            times[name].append(time.perf_counter() - start)
+    ratios = [fused / unfused for fused, unfused in zip(times["fused"], times["unfused"], strict=True)]
+    return {
+        "seconds": {name: statistics.median(values) for name, values in times.items()},
+        "ratio": statistics.median(ratios),
+    }
+
+
+def run_child(variant: str, shape: tuple[int, int, int], threads: int, repeats: int, env=None) -> dict:
+    command = [sys.executable, __file__, "--child", variant, "--shape", ",".join(map(str, shape))]
+    command += ["--threads", str(threads), "--repeats", str(repeats)]
+    output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def run(shape: tuple[int, int, int], threads: int, repeats: int) -> str:
-    results = {}
-    for variant in ("unfused", "fused"):
-        command = [sys.executable, __file__, "--child", variant, "--shape", ",".join(map(str, shape))]
-        command += ["--threads", str(threads), "--repeats", str(repeats)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results[variant] = json.loads(output.strip().splitlines()[-1])
+    sys.path.insert(0, str(HERE))
+    from _memory import FIXED_MMAP_ENV
+
+    memory_env = {**os.environ, **FIXED_MMAP_ENV}
+    results = {name: run_child(name, shape, threads, 0, memory_env) for name in VARIANTS}
+    timing = run_child("time", shape, threads, repeats)
+    for name in VARIANTS:
+        results[name]["seconds"] = timing["seconds"][name]
+    results["fused"]["ratio"] = timing["ratio"]
+    results["unfused"]["ratio"] = 1.0
     batch, prompt, completion = shape
     base = results["unfused"]
     lines = [
         f"Small Qwen2 (hidden {HIDDEN}, {LAYERS} layers, vocabulary {VOCAB:,}, untied LM head), "
         f"B = {batch}, prompt {prompt} + completion {completion} tokens, {threads} thread(s), "
-        f"median of {repeats} steps; peak resident memory of one step above the inputs and model "
-        f"({base['memory_method']}).",
+        f"median of {repeats} round-robin steps (the time ratio: median of the per-round ratios); peak resident memory of one step above the inputs and model "
+        f"({base['memory_method']}, glibc mmap threshold fixed at 1 MiB).",
         "",
         "| variant | step time (s) | time / unfused | peak memory (MiB) | memory / unfused |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -108,7 +138,7 @@ def run(shape: tuple[int, int, int], threads: int, repeats: int) -> str:
     for variant, label in (("unfused", "logits + log_softmax"), ("fused", "softtrust completion_logprobs")):
         r = results[variant]
         lines.append(
-            f"| {label} | {r['seconds']:.3f} | {r['seconds'] / base['seconds']:.2f} | {r['peak_mib']:,.0f} "
+            f"| {label} | {r['seconds']:.3f} | {r['ratio']:.2f} | {r['peak_mib']:,.0f} "
             f"| {r['peak_mib'] / base['peak_mib']:.2f} |"
         )
     table = "\n".join(lines)

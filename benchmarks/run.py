@@ -90,8 +90,9 @@ and reciprocal operations), the sequence clamp is skipped when `T·max_t |log r_
 lies inside it, φ takes its six constants from one cached lookup, and without metrics no
 per-row counts are made. At the smallest shapes the call (about 0.2 ms) is these
 operations, the input checks (about 9.5 µs at 16 × 256: dtypes, shapes, mask values, advantages) and the
-backward's fixed cost, so the ratio there moves with machine noise: at 8 × 128, four runs of
-the first three shapes on this machine gave 0.95–1.05× TRL (16 × 256: 1.03–1.21×).
+backward's fixed cost, so the ratio there moves with machine noise: over eight runs on this
+machine (this session's, same code path), 8 × 128 gave 0.94–1.16× TRL, median 0.98×, and
+16 × 256 0.97–1.21×, median 1.04×: parity at the smallest shapes, not a margin.
 
 Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
 The `+metrics` column adds ratio, log-weight, φ and ESS statistics: small reductions and one
@@ -99,7 +100,11 @@ host sync.
 
 ## One RL step on a small Qwen2
 
-`python benchmarks/bench_e2e.py` (2 threads).
+`python benchmarks/bench_e2e.py` (2 threads). Peak memory is read after a warm-up step with
+glibc's mmap threshold fixed at 1 MiB (`benchmarks/_memory.py`); before that fix the warm-up
+left freed blocks resident, and the same step read 306–538 MiB fused and 1,060–1,148 MiB
+unfused from run to run (0.28–0.50×). Both variants' times come from one process, stepped
+in turn.
 
 {e2e_table}
 
