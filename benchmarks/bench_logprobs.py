@@ -118,10 +118,11 @@ def run_trl_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     outputs[0].sum().backward()
 
 
+SOFTTRUST, GEMM_FLOOR = "softtrust token_logprobs", "GEMM floor (3 GEMMs)"
 VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
     "unfused": run_unfused,
-    "GEMM floor (3 GEMMs)": run_gemm_floor,
-    "softtrust token_logprobs": run_softtrust,
+    GEMM_FLOOR: run_gemm_floor,
+    SOFTTRUST: run_softtrust,
     "trl selective_log_softmax": run_trl_selective,
     "trl ChunkedLogProbFunction": run_trl_fused,
 }
@@ -133,7 +134,22 @@ TRL 1.16.0 `selective_log_softmax` on the logits (the GEMM counted in its time) 
 fused `ChunkedLogProbFunction` (torch fallback off GPU). Ratios are medians of per-round
 ratios to `unfused`. Peak memory: resident high-water mark of one forward + backward in
 a fresh process, above the inputs (it includes the hidden and W gradients)."""
-NO_MEMORY = {"GEMM floor (3 GEMMs)"}  # holds the logits but no autograd state: not comparable
+NO_MEMORY = {GEMM_FLOOR}
+STANDING_NOTES = """- **The tile shape matters at the smaller vocabulary.** The default, 2048 x 2048 logits
+  (16 MiB in fp32: `TILE_ELEMENTS = 1 << 22`, `DEFAULT_VOCAB_CHUNK_SIZE = 2048`), was chosen
+  with `python benchmarks/bench_logprobs.py --tiles 1024x8192,2048x2048,512x2048 --repeats 3`
+  (prints only). Its run of 2026-12-03, time over unfused at the four shapes above in order:
+  1024 x 8192 tiles (the old default) 0.96 / 0.95 / 1.27 / 1.12x, 2048 x 2048 0.93 / 0.95 /
+  1.21 / 1.04x, 512 x 2048 0.99 / 1.03 / 1.27 / 1.10x; likely because a tile that stays in the
+  last-level cache makes the elementwise passes over it (max, exp, sum; exp again in backward)
+  and the GEMMs that read it cheaper. The tile shape is an argument (`chunk_size`,
+  `vocab_chunk_size`); on a GPU the best shape will differ.
+- **These machines are shared** (see the load lines above): a single round can vary by 2x
+  and more, so every ratio is a median of same-round ratios, never a ratio of medians.
+- TRL 1.16.0 `selective_log_softmax` needs the logits (it saves part of the unfused memory
+  by looping its log-softmax over the batch rows). TRL's fused `ChunkedLogProbFunction` is
+  written for GPUs: its CPU fallback uses 4096 x 32768 tiles, so at N = 2048, V = 32k it
+  holds more than the unfused path."""  # holds the logits but no autograd state: not comparable
 
 
 def tile_variant(tile: str) -> str:
@@ -292,14 +308,114 @@ def shape_table(shape: Shape, times: dict[str, list[Timing]], memory: dict[str, 
             f"| {statistics.median(t.cpu for t in samples):.2f} | {paired_ratio(samples, base, 'cpu'):.2f} "
             f"| {peak_text} | {memory_ratio} |"
         )
-    if "softtrust token_logprobs" in times and "GEMM floor (3 GEMMs)" in times:
-        ours, floor = times["softtrust token_logprobs"], times["GEMM floor (3 GEMMs)"]
+    if SOFTTRUST in times and GEMM_FLOOR in times:
+        ours, floor = times[SOFTTRUST], times[GEMM_FLOOR]
         lines += [
             "",
             f"softtrust / GEMM floor: wall {paired_ratio(ours, floor, 'wall'):.2f}, "
             f"CPU {paired_ratio(ours, floor, 'cpu'):.2f} (a recomputing method does 4 GEMMs: 1.33 at best)",
         ]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """What the reading needs from one shape: wall time and peak memory of each variant over ``unfused``."""
+
+    shape: Shape
+    time: dict[str, float]  # variant -> median of same-round wall ratios to unfused
+    memory: dict[str, float]  # variant -> peak memory / unfused peak (variants measured only)
+
+
+def shape_result(shape: Shape, times: dict[str, list[Timing]], memory: dict[str, dict]) -> ShapeResult:
+    base_memory = memory["unfused"]["peak_mib"]
+    return ShapeResult(
+        shape,
+        {name: paired_ratio(samples, times["unfused"], "wall") for name, samples in times.items()},
+        {name: m["peak_mib"] / base_memory for name, m in memory.items()},
+    )
+
+
+def _ratios(values: list[float]) -> str:
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
+def _at(results: list[ShapeResult], values: list[float]) -> str:
+    """``0.96x (fp32, V = 151,936), ...``: one value per shape, named."""
+    return ", ".join(
+        f"{v:.2f}x ({r.shape.dtype}, V = {r.shape.vocab:,})" for r, v in zip(results, values, strict=True)
+    )
+
+
+def reading(results: list[ShapeResult]) -> str:
+    """Bullets that read a run's tables against issue #4's targets, written from the numbers.
+
+    Targets: at V >= 32k, softtrust's peak memory at most 25% of the unfused path's and
+    its time at most 1.2x (compared as printed, to 2 decimals). Where a shape misses the
+    time target, the bullet gives the floor of any method that recomputes the logits in
+    backward: 4 GEMMs instead of the 3 a storing method needs, ``4/3 x (3-GEMM floor /
+    unfused)`` of the unfused time, measured in the same rounds.
+    """
+    results = [r for r in results if r.shape.vocab >= 32000 and SOFTTRUST in r.time]
+    if not results:
+        return ""
+    bullets = []
+    memory = [r.memory[SOFTTRUST] for r in results if SOFTTRUST in r.memory]
+    if memory:
+        over = [r for r in results if round(r.memory.get(SOFTTRUST, 0.0), 2) > 0.25]
+        verdict = "met" if not over else f"**not met** at {len(over)} of {len(results)} shapes"
+        bullets.append(
+            f"**Memory (target <= 25% of unfused): {verdict}.** softtrust's forward + backward peak is "
+            f"{_at(results, memory)} of the unfused path's. Most of it is the weight gradient, which every "
+            "variant allocates: "
+            + ", ".join(
+                f"{r.shape.vocab * HIDDEN_SIZE * r.shape.torch_dtype.itemsize / 2**20:,.0f} MiB"
+                f" ({r.shape.dtype}, V = {r.shape.vocab:,})"
+                for r in results
+            )
+            + ". Above it softtrust holds one tile workspace of at most 2048 x 2048 logits (16 MiB "
+            "in fp32, plus a bf16 copy for bf16 inputs) and O(N d) buffers, whatever V and N are."
+        )
+    times = [r.time[SOFTTRUST] for r in results]
+    slow = [r for r in results if round(r.time[SOFTTRUST], 2) > 1.2]
+    verdict = (
+        "met at every shape" if not slow else f"met at {len(results) - len(slow)} of {len(results)} shapes"
+    )
+    bullets.append(f"**Time (target <= 1.2x unfused): {verdict}:** {_at(results, times)}.")
+    if GEMM_FLOOR in results[0].time:
+        floors = [r.time[GEMM_FLOOR] for r in results]
+        recompute = [4 / 3 * f for f in floors]
+        bullets.append(
+            f"The 3-GEMM floor (what a method that stores the logits must do) ran at {_at(results, floors)} "
+            "of the unfused time. softtrust recomputes the logits in backward instead of storing them, so "
+            f"its own floor is 4 GEMMs, 4/3 of that: {_at(results, recompute)}; it ran at "
+            f"{_ratios([t / f for t, f in zip(times, recompute, strict=True)])} that 4-GEMM floor (below 1: its tiled "
+            "GEMMs beat the one large GEMM of the unfused path)."
+        )
+        for r in slow:
+            floor = 4 / 3 * r.time[GEMM_FLOOR]
+            where = f"{r.shape.dtype}, V = {r.shape.vocab:,}"
+            if round(floor, 2) > 1.2:
+                bullets.append(
+                    f"At {where} the unfused path is only {1 / r.time[GEMM_FLOOR]:.2f}x its own 3-GEMM "
+                    f"floor, so no recomputing method can reach 1.2x there ({floor:.2f}x at best); "
+                    "only keeping logits between forward and backward could."
+                )
+            else:
+                bullets.append(
+                    f"At {where} the 4-GEMM floor ({floor:.2f}x) is inside the target: the "
+                    f"{r.time[SOFTTRUST] / floor:.2f}x above it is softtrust's own elementwise work."
+                )
+    trl = [name for name in results[0].time if name.startswith("trl")]
+    for name in trl:
+        memory_text = ""
+        if all(name in r.memory for r in results):
+            memory_text = f" and {_ratios([r.memory[name] for r in results])} its memory"
+        bullets.append(
+            f"TRL 1.16.0 `{name[4:]}`: {_ratios([r.time[name] for r in results])} the unfused time{memory_text}."
+        )
+    return "\n".join(f"- {b}" for b in bullets)
 
 
 def main() -> None:
@@ -340,7 +456,7 @@ def main() -> None:
     for name in variants:
         VARIANTS[name](*make_inputs(Shape(64, 4096, "float32")))
         VARIANTS[name](*make_inputs(Shape(64, 4096, "bfloat16")))
-    sections = []
+    sections, results = [], []
     for shape in shapes:
         print(f"{shape.label()}: timing {len(variants)} variants", flush=True)
         times = time_variants(shape, variants, args.warmup, repeats)
@@ -356,6 +472,7 @@ def main() -> None:
         )
         print(section + "\n", flush=True)
         sections.append(section)
+        results.append(shape_result(shape, times, memory))
 
     end_load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     report = "\n".join(
@@ -370,6 +487,12 @@ def main() -> None:
             VARIANT_NOTES,
             "",
             "\n\n".join(sections),
+            "",
+            "#### Reading the numbers (written from this run's tables)",
+            "",
+            reading(results),
+            "",
+            STANDING_NOTES,
             "",
         ]
     )

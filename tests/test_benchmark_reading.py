@@ -1,10 +1,11 @@
-"""The benchmark's written reading follows the measured numbers (benchmarks/bench_loss.py)."""
+"""The benchmarks' written readings follow the measured numbers (bench_loss.py, bench_logprobs.py)."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_logprobs
 import bench_loss
 
 
@@ -41,3 +42,43 @@ def test_reading_without_trl_still_reads_the_other_methods():
     del results[0]["ms"]["trl_vespo"]
     text = bench_loss.reading(results)
     assert "TRL is not installed" in text and "Clip runs at 1.00×" in text
+
+
+# ---- benchmarks/bench_logprobs.py ---------------------------------------------------------
+
+
+def logprob_result(vocab, dtype, softtrust, floor, memory=0.14):
+    time = {"unfused": 1.0, bench_logprobs.GEMM_FLOOR: floor, bench_logprobs.SOFTTRUST: softtrust}
+    time["trl selective_log_softmax"] = 1.1
+    memory_ratios = {"unfused": 1.0, bench_logprobs.SOFTTRUST: memory, "trl selective_log_softmax": 0.5}
+    return bench_logprobs.ShapeResult(bench_logprobs.Shape(2048, vocab, dtype), time, memory_ratios)
+
+
+def test_logprob_reading_meets_both_targets_when_every_shape_does():
+    text = bench_logprobs.reading(
+        [logprob_result(151936, "float32", 0.96, 0.70, 0.23), logprob_result(32000, "bfloat16", 1.20, 0.69)]
+    )
+    assert "**Memory (target <= 25% of unfused): met.**" in text
+    assert "0.23x (float32, V = 151,936), 0.14x (bfloat16, V = 32,000)" in text
+    assert "519 MiB (float32, V = 151,936), 55 MiB (bfloat16, V = 32,000)" in text  # V x d gradient
+    assert "**Time (target <= 1.2x unfused): met at every shape:**" in text
+    assert "its own floor is 4 GEMMs, 4/3 of that: 0.93x" in text and "0.92x (bfloat16" in text
+    assert "TRL 1.16.0 `selective_log_softmax`: 1.10x the unfused time and 0.50x its memory." in text
+
+
+def test_logprob_reading_tells_a_floor_bound_miss_from_an_avoidable_one():
+    text = bench_logprobs.reading(
+        [
+            logprob_result(32000, "float32", 1.24, 0.91, 0.30),  # 4/3 x 0.91 = 1.21: out of reach
+            logprob_result(151936, "float32", 1.25, 0.75),  # 4/3 x 0.75 = 1.00: softtrust's own cost
+        ]
+    )
+    assert "**not met** at 1 of 2 shapes" in text
+    assert "met at 0 of 2 shapes" in text
+    assert "At float32, V = 32,000 the unfused path is only 1.10x its own 3-GEMM floor" in text
+    assert "(1.21x at best)" in text
+    assert "At float32, V = 151,936 the 4-GEMM floor (1.00x) is inside the target: the 1.25x" in text
+
+
+def test_logprob_reading_skips_small_vocabularies():
+    assert bench_logprobs.reading([logprob_result(4096, "float32", 2.0, 0.5)]) == ""
