@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _format import span
+from bench_loss import trl_version
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "docs" / "benchmarks_logprobs.md"
@@ -139,12 +141,12 @@ STANDING_NOTES = """- **The tile shape matters at the smaller vocabulary.** The 
   (16 MiB in fp32: `TILE_ELEMENTS = 1 << 22`, `DEFAULT_VOCAB_CHUNK_SIZE = 2048`), was chosen
   with `python benchmarks/bench_logprobs.py --tiles 1024x8192,2048x2048,512x2048 --repeats 3`
   (prints only). Its run of 2026-12-03, time over unfused at the four shapes above in order:
-  1024 x 8192 tiles (the old default) 0.96 / 0.95 / 1.27 / 1.12x, 2048 x 2048 0.93 / 0.95 /
-  1.21 / 1.04x, 512 x 2048 0.99 / 1.03 / 1.27 / 1.10x; likely because a tile that stays in the
+  1024 x 8192 tiles (the old default) 0.96 / 0.95 / 1.27 / 1.12×, 2048 x 2048 0.93 / 0.95 /
+  1.21 / 1.04×, 512 x 2048 0.99 / 1.03 / 1.27 / 1.10×; likely because a tile that stays in the
   last-level cache makes the elementwise passes over it (max, exp, sum; exp again in backward)
   and the GEMMs that read it cheaper. The tile shape is an argument (`chunk_size`,
   `vocab_chunk_size`); on a GPU the best shape will differ.
-- **These machines are shared** (see the load lines above): a single round can vary by 2x
+- **These machines are shared** (see the load lines above): a single round can vary by 2×
   and more, so every ratio is a median of same-round ratios, never a ratio of medians.
 - TRL 1.16.0 `selective_log_softmax` needs the logits (it saves part of the unfused memory
   by looping its log-softmax over the batch rows). TRL's fused `ChunkedLogProbFunction` is
@@ -271,8 +273,6 @@ def cpu_model() -> str:
 
 def machine_description(threads: int) -> str:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    from bench_loss import trl_version
-
     trl = trl_version() or "not installed"
     return (
         f"- CPU: {cpu_model()} ({os.cpu_count()} logical cores visible), torch threads: {threads}\n"
@@ -336,26 +336,22 @@ def shape_result(shape: Shape, times: dict[str, list[Timing]], memory: dict[str,
     )
 
 
-def _ratios(values: list[float]) -> str:
-    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
-    return f"{low}x" if low == high else f"{low}-{high}x"
-
-
 def _at(results: list[ShapeResult], values: list[float]) -> str:
-    """``0.96x (fp32, V = 151,936), ...``: one value per shape, named."""
+    """``0.96× (fp32, V = 151,936), ...``: one value per shape, named."""
     return ", ".join(
-        f"{v:.2f}x ({r.shape.dtype}, V = {r.shape.vocab:,})" for r, v in zip(results, values, strict=True)
+        f"{v:.2f}× ({r.shape.dtype}, V = {r.shape.vocab:,})" for r, v in zip(results, values, strict=True)
     )
 
 
-def reading(results: list[ShapeResult]) -> str:
+def reading(results: list[ShapeResult], trl_version: str | None = None) -> str:
     """Bullets that read a run's tables against issue #4's targets, written from the numbers.
 
     Targets: at V >= 32k, softtrust's peak memory at most 25% of the unfused path's and
-    its time at most 1.2x (compared as printed, to 2 decimals). Where a shape misses the
+    its time at most 1.2× (compared as printed, to 2 decimals). Where a shape misses the
     time target, the bullet gives the floor of any method that recomputes the logits in
     backward: 4 GEMMs instead of the 3 a storing method needs, ``4/3 x (3-GEMM floor /
-    unfused)`` of the unfused time, measured in the same rounds.
+    unfused)`` of the unfused time, measured in the same rounds. ``trl_version`` names
+    the TRL whose variants were measured.
     """
     results = [r for r in results if r.shape.vocab >= 32000 and SOFTTRUST in r.time]
     if not results:
@@ -364,9 +360,9 @@ def reading(results: list[ShapeResult]) -> str:
     memory = [r.memory[SOFTTRUST] for r in results if SOFTTRUST in r.memory]
     if memory:
         over = [r for r in results if round(r.memory.get(SOFTTRUST, 0.0), 2) > 0.25]
-        verdict = "met" if not over else f"**not met** at {len(over)} of {len(results)} shapes"
+        verdict = "met" if not over else f"not met at {len(over)} of {len(results)} shapes"
         bullets.append(
-            f"**Memory (target <= 25% of unfused): {verdict}.** softtrust's forward + backward peak is "
+            f"**Memory (target ≤ 25% of unfused): {verdict}.** softtrust's forward + backward peak is "
             f"{_at(results, memory)} of the unfused path's. Most of it is the weight gradient, which every "
             "variant allocates: "
             + ", ".join(
@@ -382,38 +378,39 @@ def reading(results: list[ShapeResult]) -> str:
     verdict = (
         "met at every shape" if not slow else f"met at {len(results) - len(slow)} of {len(results)} shapes"
     )
-    bullets.append(f"**Time (target <= 1.2x unfused): {verdict}:** {_at(results, times)}.")
+    bullets.append(f"**Time (target ≤ 1.2× unfused): {verdict}:** {_at(results, times)}.")
     if GEMM_FLOOR in results[0].time:
         floors = [r.time[GEMM_FLOOR] for r in results]
         recompute = [4 / 3 * f for f in floors]
+        over_floor = [t / f for t, f in zip(times, recompute, strict=True)]
+        below = " (below 1: its tiled GEMMs beat the one large GEMM of the unfused path)"
         bullets.append(
             f"The 3-GEMM floor (what a method that stores the logits must do) ran at {_at(results, floors)} "
             "of the unfused time. softtrust recomputes the logits in backward instead of storing them, so "
             f"its own floor is 4 GEMMs, 4/3 of that: {_at(results, recompute)}; it ran at "
-            f"{_ratios([t / f for t, f in zip(times, recompute, strict=True)])} that 4-GEMM floor (below 1: its tiled "
-            "GEMMs beat the one large GEMM of the unfused path)."
+            f"{span(over_floor)} that 4-GEMM floor{below if round(min(over_floor), 2) < 1 else ''}."
         )
         for r in slow:
             floor = 4 / 3 * r.time[GEMM_FLOOR]
             where = f"{r.shape.dtype}, V = {r.shape.vocab:,}"
             if round(floor, 2) > 1.2:
                 bullets.append(
-                    f"At {where} the unfused path is only {1 / r.time[GEMM_FLOOR]:.2f}x its own 3-GEMM "
-                    f"floor, so no recomputing method can reach 1.2x there ({floor:.2f}x at best); "
+                    f"At {where} the unfused path is only {1 / r.time[GEMM_FLOOR]:.2f}× its own 3-GEMM "
+                    f"floor, so no recomputing method can reach 1.2× there ({floor:.2f}× at best); "
                     "only keeping logits between forward and backward could."
                 )
             else:
                 bullets.append(
-                    f"At {where} the 4-GEMM floor ({floor:.2f}x) is inside the target: the "
-                    f"{r.time[SOFTTRUST] / floor:.2f}x above it is softtrust's own elementwise work."
+                    f"At {where} the 4-GEMM floor ({floor:.2f}×) is inside the target: softtrust ran at "
+                    f"{r.time[SOFTTRUST] / floor:.2f}× that floor, and the excess is its own elementwise work."
                 )
     trl = [name for name in results[0].time if name.startswith("trl")]
     for name in trl:
         memory_text = ""
         if all(name in r.memory for r in results):
-            memory_text = f" and {_ratios([r.memory[name] for r in results])} its memory"
+            memory_text = f" and {span([r.memory[name] for r in results])} its memory"
         bullets.append(
-            f"TRL 1.16.0 `{name[4:]}`: {_ratios([r.time[name] for r in results])} the unfused time{memory_text}."
+            f"TRL{f' {trl_version}' if trl_version else ''} `{name[4:]}`: {span([r.time[name] for r in results])} the unfused time{memory_text}."
         )
     return "\n".join(f"- {b}" for b in bullets)
 
@@ -490,7 +487,7 @@ def main() -> None:
             "",
             "#### Reading the numbers (written from this run's tables)",
             "",
-            reading(results),
+            reading(results, trl_version()),
             "",
             STANDING_NOTES,
             "",

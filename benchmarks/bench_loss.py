@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _format import span
 
 import softtrust as st
 
@@ -160,11 +161,6 @@ def run(shapes, reps: int) -> tuple[str, list[dict]]:
     return "\n".join(rows), results
 
 
-def _span(values: list[float]) -> str:
-    low, high = min(values), max(values)
-    return f"{low:.2f}×" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}×"
-
-
 def _shapes(records: list[dict]) -> str:
     names = [f"{b} × {t}" for b, t in (r["shape"] for r in records)]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
@@ -189,13 +185,13 @@ def reading(results: list[dict], trl_version: str | None = None) -> str:
         if long:
             met = round(min(ratios(long, "trl_vespo", "st_vespo")), 2) >= 1.5
             parts.append(
-                f"From 64 × 4096 up softtrust's VESPO is {_span(ratios(long, 'trl_vespo', 'st_vespo'))} "
+                f"From 64 × 4096 up softtrust's VESPO is {span(ratios(long, 'trl_vespo', 'st_vespo'))} "
                 f"faster than {trl} (target ≥ 1.5×: {'met' if met else '**not met**'})."
             )
         if rest:
             parts.append(
                 f"{'Below that' if long else 'On this grid'} it runs at "
-                f"{_span(ratios(rest, 'trl_vespo', 'st_vespo'))} the speed of {trl}."
+                f"{span(ratios(rest, 'trl_vespo', 'st_vespo'))} the speed of {trl}."
             )
         if behind:
             gaps = [1e3 * (r["ms"]["st_vespo"] - r["ms"]["trl_vespo"]) for r in behind]
@@ -211,10 +207,10 @@ def reading(results: list[dict], trl_version: str | None = None) -> str:
         parts.append("TRL is not installed: no comparison against its VESPO path.")
     if results:
         parts.append(
-            f"Clip runs at {_span(ratios(results, 'plain_clip', 'st_clip'))} and SAPO at "
-            f"{_span(ratios(results, 'plain_sapo', 'st_sapo'))} the speed of their plain autograd "
+            f"Clip runs at {span(ratios(results, 'plain_clip', 'st_clip'))} and SAPO at "
+            f"{span(ratios(results, 'plain_sapo', 'st_sapo'))} the speed of their plain autograd "
             "expressions; the plain VESPO expression (precomputed float mask, no checks) at "
-            f"{_span(ratios(results, 'st_vespo', 'plain_vespo'))} softtrust's speed."
+            f"{span(ratios(results, 'st_vespo', 'plain_vespo'))} softtrust's speed."
         )
     return " ".join(parts)
 

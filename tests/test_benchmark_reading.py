@@ -56,14 +56,18 @@ def logprob_result(vocab, dtype, softtrust, floor, memory=0.14):
 
 def test_logprob_reading_meets_both_targets_when_every_shape_does():
     text = bench_logprobs.reading(
-        [logprob_result(151936, "float32", 0.96, 0.70, 0.23), logprob_result(32000, "bfloat16", 1.20, 0.69)]
+        [logprob_result(151936, "float32", 0.96, 0.70, 0.23), logprob_result(32000, "bfloat16", 1.20, 0.69)],
+        "1.16.0",
     )
-    assert "**Memory (target <= 25% of unfused): met.**" in text
-    assert "0.23x (float32, V = 151,936), 0.14x (bfloat16, V = 32,000)" in text
+    assert "**Memory (target ≤ 25% of unfused): met.**" in text
+    assert "0.23× (float32, V = 151,936), 0.14× (bfloat16, V = 32,000)" in text
     assert "519 MiB (float32, V = 151,936), 55 MiB (bfloat16, V = 32,000)" in text  # V x d gradient
-    assert "**Time (target <= 1.2x unfused): met at every shape:**" in text
-    assert "its own floor is 4 GEMMs, 4/3 of that: 0.93x" in text and "0.92x (bfloat16" in text
-    assert "TRL 1.16.0 `selective_log_softmax`: 1.10x the unfused time and 0.50x its memory." in text
+    assert "**Time (target ≤ 1.2× unfused): met at every shape:**" in text
+    assert "its own floor is 4 GEMMs, 4/3 of that: 0.93×" in text and "0.92× (bfloat16" in text
+    assert "TRL 1.16.0 `selective_log_softmax`: 1.10× the unfused time and 0.50× its memory." in text
+    assert "1.03–1.30× that 4-GEMM floor." in text  # 0.96 / (4/3 x 0.70), 1.20 / (4/3 x 0.69)
+    text = bench_logprobs.reading([logprob_result(32000, "float32", 0.80, 0.70)])
+    assert "0.86× that 4-GEMM floor (below 1: its tiled GEMMs beat" in text
 
 
 def test_logprob_reading_tells_a_floor_bound_miss_from_an_avoidable_one():
@@ -73,11 +77,16 @@ def test_logprob_reading_tells_a_floor_bound_miss_from_an_avoidable_one():
             logprob_result(151936, "float32", 1.25, 0.75),  # 4/3 x 0.75 = 1.00: softtrust's own cost
         ]
     )
-    assert "**not met** at 1 of 2 shapes" in text
+    assert "**Memory (target ≤ 25% of unfused): not met at 1 of 2 shapes.**" in text
+    assert "(below 1" not in text
     assert "met at 0 of 2 shapes" in text
-    assert "At float32, V = 32,000 the unfused path is only 1.10x its own 3-GEMM floor" in text
-    assert "(1.21x at best)" in text
-    assert "At float32, V = 151,936 the 4-GEMM floor (1.00x) is inside the target: the 1.25x" in text
+    assert "At float32, V = 32,000 the unfused path is only 1.10× its own 3-GEMM floor" in text
+    assert "(1.21× at best)" in text
+    assert "- TRL `selective_log_softmax`: 1.10×" in text  # no version given
+    assert (
+        "At float32, V = 151,936 the 4-GEMM floor (1.00×) is inside the target: softtrust ran at 1.25× that floor"
+        in text
+    )
 
 
 def test_logprob_reading_skips_small_vocabularies():
