@@ -90,9 +90,10 @@ and reciprocal operations), the sequence clamp is skipped when `T·max_t |log r_
 lies inside it, φ takes its six constants from one cached lookup, and without metrics no
 per-row counts are made. At the smallest shapes the call (about 0.2 ms) is these
 operations, the input checks (about 9.5 µs at 16 × 256: dtypes, shapes, mask values, advantages) and the
-backward's fixed cost, so the ratio there moves with machine noise: over eight runs on this
-machine (this session's, same code path), 8 × 128 gave 0.94–1.16× TRL, median 0.98×, and
-16 × 256 0.97–1.21×, median 1.04×: parity at the smallest shapes, not a margin.
+backward's fixed cost, so the ratio there moves with machine noise: over eight runs on
+2026-12-03 (a 2-core AMD EPYC, same code path), 8 × 128 gave 0.94–1.16× TRL, median 0.98×,
+and 16 × 256 0.97–1.21×, median 1.04×; a microbenchmark of 2,000 round-robin repetitions on
+2026-12-04 gave 1.05× and 1.08×: parity at the smallest shapes, not a margin.
 
 Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
 The `+metrics` column adds ratio, log-weight, φ and ESS statistics: small reductions and one
