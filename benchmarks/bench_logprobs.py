@@ -145,7 +145,8 @@ STANDING_NOTES = """- **The tile shape matters at the smaller vocabulary.** The 
   1.21 / 1.04×, 512 x 2048 0.99 / 1.03 / 1.27 / 1.10×; likely because a tile that stays in the
   last-level cache makes the elementwise passes over it (max, exp, sum; exp again in backward)
   and the GEMMs that read it cheaper. The tile shape is an argument (`chunk_size`,
-  `vocab_chunk_size`); on a GPU the best shape will differ.
+  `vocab_chunk_size`); off the CPU the default is 16384 x 8192 (`default_tile`; see
+  docs/benchmarks_gpu.md).
 - **These machines are shared** (see the load lines above): a single round can vary by 2×
   and more, so every ratio is a median of same-round ratios, never a ratio of medians.
 - TRL 1.16.0 `selective_log_softmax` needs the logits (it saves part of the unfused memory
@@ -343,7 +344,18 @@ def _at(results: list[ShapeResult], values: list[float]) -> str:
     )
 
 
-def reading(results: list[ShapeResult], trl_version: str | None = None) -> str:
+def tile_text(device: str) -> str:
+    """``2048 x 2048 logits (16 MiB in fp32, ...)``: softtrust's default tile on ``device``."""
+    from softtrust.logprobs import default_tile
+
+    elements, vocab = default_tile(torch.device(device))
+    return (
+        f"{elements // vocab} x {vocab} logits ({4 * elements / 2**20:,.0f} MiB in fp32, plus a bf16 copy "
+        "for bf16 inputs)"
+    )
+
+
+def reading(results: list[ShapeResult], trl_version: str | None = None, device: str = "cpu") -> str:
     """Bullets that read a run's tables against issue #4's targets, written from the numbers.
 
     Targets: at V >= 32k, softtrust's peak memory at most 25% of the unfused path's and
@@ -351,7 +363,7 @@ def reading(results: list[ShapeResult], trl_version: str | None = None) -> str:
     time target, the bullet gives the floor of any method that recomputes the logits in
     backward: 4 GEMMs instead of the 3 a storing method needs, ``4/3 x (3-GEMM floor /
     unfused)`` of the unfused time, measured in the same rounds. ``trl_version`` names
-    the TRL whose variants were measured.
+    the TRL whose variants were measured; ``device`` decides softtrust's default tile.
     """
     results = [r for r in results if r.shape.vocab >= 32000 and SOFTTRUST in r.time]
     if not results:
@@ -370,8 +382,8 @@ def reading(results: list[ShapeResult], trl_version: str | None = None) -> str:
                 f" ({r.shape.dtype}, V = {r.shape.vocab:,})"
                 for r in results
             )
-            + ". Above it softtrust holds one tile workspace of at most 2048 x 2048 logits (16 MiB "
-            "in fp32, plus a bf16 copy for bf16 inputs) and O(N d) buffers, whatever V and N are."
+            + f". Above it softtrust holds one tile workspace of at most {tile_text(device)} and O(N d) "
+            "buffers, whatever V and N are."
         )
     times = [r.time[SOFTTRUST] for r in results]
     slow = [r for r in results if round(r.time[SOFTTRUST], 2) > 1.2]

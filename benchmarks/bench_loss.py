@@ -126,13 +126,20 @@ def make_variants(
     return variants
 
 
+def policy_losses() -> dict[str, st.PolicyLoss]:
+    """The softtrust losses that :func:`make_variants` times."""
+    return {
+        "vespo": st.PolicyLoss("vespo", compute_metrics=False),
+        "vespo_m": st.PolicyLoss("vespo"),
+        "clip": st.PolicyLoss("clip", compute_metrics=False),
+        "sapo": st.PolicyLoss("sapo", aggregation="seq-mean-token-mean", compute_metrics=False),
+    }
+
+
 def run(shapes, reps: int) -> tuple[str, list[dict]]:
     """The table (markdown) and one record per shape: ``{"shape": (B, T), "ms": {variant: median ms}}``."""
     trl_vespo = trl_vespo_path()
-    vespo = st.PolicyLoss("vespo", compute_metrics=False)
-    vespo_metrics = st.PolicyLoss("vespo")
-    clip = st.PolicyLoss("clip", compute_metrics=False)
-    sapo = st.PolicyLoss("sapo", aggregation="seq-mean-token-mean", compute_metrics=False)
+    losses = policy_losses()
     header = (
         "| B × T | softtrust VESPO (ms) | +metrics (ms) | TRL VESPO (ms) | plain VESPO (ms) | TRL / softtrust "
         "| softtrust Clip (ms) | plain Clip (ms) | softtrust SAPO (ms) | plain SAPO (ms) |"
@@ -141,14 +148,7 @@ def run(shapes, reps: int) -> tuple[str, list[dict]]:
     results = []
     for batch, length in shapes:
         logprobs, old, advantages, mask = inputs(batch, length)
-        variants = make_variants(
-            logprobs,
-            old,
-            advantages,
-            mask,
-            {"vespo": vespo, "vespo_m": vespo_metrics, "clip": clip, "sapo": sapo},
-            trl_vespo,
-        )
+        variants = make_variants(logprobs, old, advantages, mask, losses, trl_vespo)
         t = {k: v * 1e3 for k, v in time_round_robin(variants, logprobs, reps).items()}
         results.append({"shape": (batch, length), "ms": t})
         trl_ms = t.get("trl_vespo", math.nan)

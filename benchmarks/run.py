@@ -6,7 +6,9 @@ Usage:
 Sections: the policy loss (``bench_loss.py``), one end-to-end RL step on a small Qwen2
 (``bench_e2e.py``), and the token log-probs (``bench_logprobs.py``, which writes
 ``docs/benchmarks_logprobs.md``; it takes about half an hour on 2 cores, so
-``--skip-logprobs`` reuses the last file it wrote, whose own header says when and how).
+``--skip-logprobs`` reuses the last file it wrote, whose own header says when and how),
+then the GPU figures of ``docs/benchmarks_gpu.md`` as ``bench_gpu.py`` last wrote them on
+a CUDA machine (this script does not run it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def machine() -> str:
     )
 
 
+GPU_MISSING = (
+    "(run `python benchmarks/bench_gpu.py --output docs/benchmarks_gpu.md` on a CUDA machine, "
+    "then this script)"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -56,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     loss_table, loss_reading = bench_loss.main(quick)
     e2e_table = bench_e2e.main(quick)
     logprobs_file = DOCS / "benchmarks_logprobs.md"
+    gpu_file = DOCS / "benchmarks_gpu.md"  # written on a CUDA machine by bench_gpu.py --output
     if not args.skip_logprobs:
         subprocess.run([sys.executable, str(HERE / "bench_logprobs.py"), *quick], check=True)
     text = f"""# Benchmarks
@@ -112,6 +121,10 @@ in turn.
 ## Token log-probs
 
 {logprobs_file.read_text() if logprobs_file.exists() else "(run `python benchmarks/bench_logprobs.py`)"}
+
+## On a GPU
+
+{gpu_file.read_text() if gpu_file.exists() else GPU_MISSING}
 """
     (DOCS / "benchmarks.md").write_text(text)
     print(f"wrote {DOCS / 'benchmarks.md'}")

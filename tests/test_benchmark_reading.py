@@ -1,7 +1,9 @@
-"""The benchmarks' written readings follow the measured numbers (bench_loss.py, bench_logprobs.py)."""
+"""The benchmarks' written readings follow the measured numbers; the GPU benchmark's correctness check."""
 
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -91,3 +93,26 @@ def test_logprob_reading_tells_a_floor_bound_miss_from_an_avoidable_one():
 
 def test_logprob_reading_skips_small_vocabularies():
     assert bench_logprobs.reading([logprob_result(4096, "float32", 2.0, 0.5)]) == ""
+
+
+# ---- benchmarks/bench_gpu.py --------------------------------------------------------------
+
+
+def test_gpu_benchmark_correctness_check_passes_on_cpu_and_can_fail(monkeypatch):
+    """The device check's verdicts: all within tolerance for the real kernel, FAILED for a broken one."""
+    import bench_gpu
+
+    import softtrust.logprobs
+
+    text = bench_gpu.correctness_section(torch.device("cpu"))
+    assert "FAILED" not in text and text.count("within max(") == 4
+
+    real = softtrust.logprobs.token_logprobs
+
+    def off_by_a_little(*args, **kwargs):
+        logp, entropy = real(*args, **kwargs)
+        return logp + 1e-3, entropy
+
+    monkeypatch.setattr(softtrust.logprobs, "token_logprobs", off_by_a_little)
+    text = bench_gpu.correctness_section(torch.device("cpu"))
+    assert "(**a check FAILED**)" in text and text.count("**FAILED**:") == 2  # fp32 rows only

@@ -431,3 +431,21 @@ def test_completion_logprobs_rejects_bad_logits_to_keep(tiny_lm):
     input_ids = torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match=r"logits_to_keep must be an int in \(0, 4\).*got 4"):
         completion_logprobs(model, input_ids, None, 4)
+
+
+def test_default_tiles_are_cache_sized_on_cpu_and_larger_elsewhere():
+    from softtrust import logprobs
+
+    assert logprobs.default_tile(torch.device("cpu")) == (1 << 22, 2048)  # 2048 x 2048 logits
+    # off the CPU: 128 Mi logits, 8192 vocabulary entries wide (16384 tokens); no GPU needed to ask
+    assert logprobs.default_tile(torch.device("cuda")) == (1 << 27, 8192)
+
+
+def test_both_tile_logsumexp_formulas_agree_with_large_offsets():
+    """The CPU formula (max, in-place shift, exp, sum) against ``torch.logsumexp`` (used off CPU)."""
+    from softtrust.logprobs import _tile_logsumexp
+
+    tile = torch.randn(37, 300, dtype=torch.float64) * 5 + 1e4  # offsets that overflow a naive exp
+    expected = torch.logsumexp(tile, 1)
+    torch.testing.assert_close(_tile_logsumexp(tile.clone()), expected, rtol=0, atol=1e-9)
+    assert torch.isfinite(expected).all()

@@ -26,6 +26,7 @@ gradients are two GEMMs and a column sum: ``dh = dz @ W``, ``dW = dzᵀ @ h``, `
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,12 @@ IGNORE_INDEX = -100
 TILE_ELEMENTS = 1 << 22
 # Vocabularies larger than this are split into chunks folded by the online log-sum-exp.
 DEFAULT_VOCAB_CHUNK_SIZE = 2048
+# On a GPU the same 2048 x 2048 tiles leave it waiting on kernel launches: on an H200
+# (`bench_gpu.py`, docs/benchmarks_gpu.md) they ran 7.7-13.8x the unfused path in bf16,
+# 8192 x 16384 tiles 1.45-2.7x. Off the CPU a tile holds up to 128 Mi logits (512 MiB in
+# fp32), VOCAB_CHUNK_SIZE_GPU vocabulary entries wide.
+TILE_ELEMENTS_GPU = 1 << 27
+VOCAB_CHUNK_SIZE_GPU = 8192
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
@@ -80,9 +87,11 @@ def token_logprobs(
             log-prob each row scores, in ``[0, V)`` or equal to ``ignore_index``.
         bias: optional [V] LM-head bias.
         temperature: logits are divided by it (> 0).
-        chunk_size: tokens per tile (> 0). Default: ``TILE_ELEMENTS // vocab_chunk_size``.
+        chunk_size: tokens per tile (> 0). Default: ``TILE_ELEMENTS // vocab_chunk_size``
+            on CPU (2048), ``TILE_ELEMENTS_GPU // vocab_chunk_size`` on other devices.
         vocab_chunk_size: vocabulary entries per tile (> 0). Default: ``V`` up to
-            ``DEFAULT_VOCAB_CHUNK_SIZE``, chunks of that size above.
+            ``DEFAULT_VOCAB_CHUNK_SIZE`` (CPU) or ``VOCAB_CHUNK_SIZE_GPU`` (other devices),
+            chunks of that size above.
         with_entropy: also return the entropy of each row's distribution.
         ignore_index: rows with this label are skipped entirely (never go through the
             LM head): log-prob 0, entropy 0, zero gradient, whatever their label.
@@ -103,8 +112,9 @@ def token_logprobs(
     active_hidden = flat_hidden if rows is None else flat_hidden.index_select(0, rows)  # [M, d]
     active_labels = flat_labels if rows is None else flat_labels.index_select(0, rows)  # [M]
 
-    vocab_chunk = min(vocab_chunk_size or DEFAULT_VOCAB_CHUNK_SIZE, vocab)
-    token_chunk = chunk_size or max(1, TILE_ELEMENTS // vocab_chunk)
+    tile_elements, default_vocab_chunk = default_tile(hidden.device)
+    vocab_chunk = min(vocab_chunk_size or default_vocab_chunk, vocab)
+    token_chunk = chunk_size or max(1, tile_elements // vocab_chunk)
     outputs = _FusedLinearLogSoftmax.apply(
         active_hidden,
         weight,
@@ -119,6 +129,18 @@ def token_logprobs(
     outputs = outputs if with_entropy else (outputs,)
     outputs = tuple(_scatter_rows(x, rows, flat_labels.numel()).view(labels.shape) for x in outputs)
     return outputs if with_entropy else outputs[0]
+
+
+def default_tile(device: torch.device) -> tuple[int, int]:
+    """``(logits per tile, vocabulary chunk)`` of the default tiles on ``device``.
+
+    CPU: ``(TILE_ELEMENTS, DEFAULT_VOCAB_CHUNK_SIZE)``, 2048 x 2048 tiles that stay in
+    the last-level cache. Other devices: ``(TILE_ELEMENTS_GPU, VOCAB_CHUNK_SIZE_GPU)``,
+    tiles large enough that each kernel has work for the whole GPU.
+    """
+    if device.type == "cpu":
+        return TILE_ELEMENTS, DEFAULT_VOCAB_CHUNK_SIZE
+    return TILE_ELEMENTS_GPU, VOCAB_CHUNK_SIZE_GPU
 
 
 def completion_logprobs(
@@ -361,9 +383,7 @@ class _OnlineLogSumExp:
     ) -> None:
         """Fold one [n, v] tile (rows n0:n1) into the statistics; ``logits`` is overwritten."""
         _pick_label_logits(self.target[n0:n1], logits, local_labels)
-        chunk_max = logits.amax(1)  # [n]
-        # log Σ e^z = m + log Σ e^{z-m}: shifting by the max keeps exp from overflowing.
-        chunk_lse = chunk_max + logits.sub_(chunk_max.unsqueeze(1)).exp_().sum(1).log()  # [n]
+        chunk_lse = _tile_logsumexp(logits)  # [n]
         running = self.log_normalizer[n0:n1]  # [n]
         running.copy_(chunk_lse if first else torch.logaddexp(running, chunk_lse))
 
@@ -432,6 +452,20 @@ class _OnlineLogSumExpEntropy:
         return log_normalizer, self.target - log_normalizer, entropy
 
 
+def _tile_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` of each row of a [n, v] tile ([n]); ``logits`` may be overwritten.
+
+    ``log Σ e^z = m + log Σ e^{z-m}`` with ``m`` the row max, which keeps ``exp`` from
+    overflowing. On CPU as max, an in-place shift and exp, and a sum (faster there than
+    ``torch.logsumexp``, measured on a 2048 x 2048 fp32 tile: 3.7 against 5.1-5.5 ms);
+    elsewhere ``torch.logsumexp``, which reads the tile twice and writes nothing.
+    """
+    if logits.device.type != "cpu":
+        return torch.logsumexp(logits, 1)
+    chunk_max = logits.amax(1)  # [n]
+    return chunk_max + logits.sub_(chunk_max.unsqueeze(1)).exp_().sum(1).log()
+
+
 def _pick_label_logits(target: torch.Tensor, logits: torch.Tensor, local_labels: torch.Tensor) -> None:
     """Write ``logits[i, label_i]`` into ``target[i]`` for the rows whose label is in this chunk."""
     width = logits.shape[1]
@@ -448,17 +482,40 @@ def _logits_tile(
     acc_dtype: torch.dtype,
     workspace: _Workspace,
 ) -> torch.Tensor:
-    """``(h @ W.T + b) * inv_temperature`` for one tile, in ``acc_dtype``, in a workspace buffer."""
+    """``(h @ W.T + b) * inv_temperature`` for one tile, in ``acc_dtype``, in a workspace buffer.
+
+    A bf16/fp16 GEMM writes its output in that dtype and the tile is upcast (one more
+    pass over it); on CUDA, where ``torch.mm`` can write fp32 from bf16/fp16 operands
+    (``out_dtype``), the GEMM writes the fp32 tile itself, unrounded.
+    """
     rows, cols = hidden.shape[0], weight.shape[0]
-    raw = workspace.tile("gemm", rows, cols, weight.dtype)  # [n, v]
-    torch.mm(hidden.to(weight.dtype), weight.T, out=raw)
-    # bf16 GEMM output upcast per tile; fp32 needs no copy.
-    logits = raw if raw.dtype == acc_dtype else workspace.tile("logits", rows, cols, acc_dtype).copy_(raw)
+    if weight.dtype != acc_dtype and _gemm_writes_fp32(hidden.device, weight.dtype, acc_dtype):
+        logits = torch.mm(hidden.to(weight.dtype), weight.T, out_dtype=acc_dtype)  # [n, v]
+    else:
+        raw = workspace.tile("gemm", rows, cols, weight.dtype)  # [n, v]
+        torch.mm(hidden.to(weight.dtype), weight.T, out=raw)
+        # bf16 GEMM output upcast per tile; fp32 needs no copy.
+        logits = raw if raw.dtype == acc_dtype else workspace.tile("logits", rows, cols, acc_dtype).copy_(raw)
     if bias is not None:
         logits.add_(bias)
     if inv_temperature != 1.0:
         logits.mul_(inv_temperature)
     return logits
+
+
+@functools.cache
+def _gemm_writes_fp32(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=out_dtype)`` runs for ``dtype`` operands on ``device``.
+
+    PyTorch has it for fp16/bf16 -> fp32 on CUDA only; probed once per device and dtypes.
+    """
+    if device.type != "cuda" or out_dtype != torch.float32:
+        return False
+    try:
+        probe = torch.ones(2, 2, dtype=dtype, device=device)
+        return torch.mm(probe, probe, out_dtype=out_dtype).dtype == out_dtype
+    except Exception:  # a probe: any failure (no such overload, no CUDA build) means no
+        return False
 
 
 def _row_scale(
