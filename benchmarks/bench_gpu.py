@@ -44,38 +44,50 @@ GPU_SHAPES = (
     lp.Shape(8192, 151936, "float32"),
 )
 TINY_SHAPES = (lp.Shape(64, 40000, "float32"), lp.Shape(96, 33000, "bfloat16"))
-TILES = ("8192x16384", "4096x32768", "32768x8192", "2048x2048")  # the default: 16384 x 8192
+TILES = ("4096x32768", "2048x2048")  # the default: 16384 x 8192
+PYTORCH_OPS = "softtrust, PyTorch tile ops"  # SOFTTRUST_TRITON=0: no Triton kernels
+
+
+def run_pytorch_tile_ops(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    """softtrust at its default tiles with the Triton kernels switched off."""
+    previous = os.environ.get("SOFTTRUST_TRITON")
+    os.environ["SOFTTRUST_TRITON"] = "0"
+    try:
+        lp.run_softtrust(hidden, weight, labels)
+    finally:
+        if previous is None:
+            del os.environ["SOFTTRUST_TRITON"]
+        else:
+            os.environ["SOFTTRUST_TRITON"] = previous
 
 
 NOTES = """Written by hand after the run of 2026-12-04 on an H200 (the tables above, if
 rerun, are newer than these words):
 
-- **Correctness holds on CUDA.** Every value and gradient is within the CPU tests'
-  tolerances and no worse than the unfused path in the same dtype; in bf16 softtrust is
-  more accurate than the unfused path, because on CUDA its GEMM writes the fp32 tile
-  directly (`torch.mm(..., out_dtype=torch.float32)`) where the unfused path rounds the
-  logits to bf16.
-- **Memory: at most 25% of the unfused path everywhere** (0.04-0.05x at N = 8192 and
-  16384, where the unfused path holds 18-37 GiB).
-- **Time: the 1.2x target is not met on this GPU.** With the GPU default tiles (16384 x
-  8192 logits, `softtrust.logprobs.default_tile`) softtrust ran 1.30-1.43x the unfused
-  path at N = 8192 and 16384, 1.55-1.71x in fp32 at N <= 2048, and 3.6-5.1x in bf16 at
-  N <= 2048. The CPU's 2048 x 2048 tiles ran 2.0-18.8x: every tile costs about 15
-  kernel launches and their Python dispatch, which this GPU finishes faster than the
-  host issues them. That is why the tiles are larger off the CPU (the first GPU run,
-  before that change, had 7.7-13.8x in bf16). Wider tiles help at small N (4096 x 32768:
-  1.9x at N = 1024, bf16) but then hold 25-50% of the unfused memory, so they are not
-  the default; `vocab_chunk_size` sets them per call.
-- The rest is elementwise work in PyTorch ops: at N = 16384 in bf16 softtrust ran 2.7x
-  its 4-GEMM floor. TRL 1.16.0's `ChunkedLogProbFunction` also recomputes in backward
-  but fuses each tile's elementwise passes into Triton kernels, and ran 0.62x the
-  unfused path there (1.19-1.36x at N <= 2048). A fused CUDA kernel for the tile fold
-  and the tile gradient is what softtrust lacks on GPUs.
+- **Correctness holds on CUDA**, on both paths: the Triton tile kernels (log-probs
+  without a bias, the default for Hugging Face LM heads) and the PyTorch tile ops (with a
+  bias or the entropy). Every value and gradient is within the CPU tests' tolerances
+  and no worse than the unfused path in the same dtype; in bf16 softtrust is more
+  accurate than the unfused path, because on CUDA its GEMM writes the fp32 tile itself
+  (`torch.mm(..., out_dtype=torch.float32)`) where the unfused path rounds the logits to bf16.
+- **Memory: at most 25% of the unfused path at every shape** (0.04-0.05x at N = 8192 and
+  16384, where the unfused path peaks at 19,000-38,000 MiB).
+- **Time, default tiles (16384 x 8192 logits) with the Triton kernels:** 0.76x the
+  unfused path in bf16 at N = 8192 and 16384 (the 1.2x target met; TRL 1.16.0's fused
+  `ChunkedLogProbFunction` 0.61x), 1.88x in bf16 at N <= 2048, and 1.33-1.51x in fp32,
+  where the unfused path is within 1.05-1.09x of its 3-GEMM floor, so that a recomputing
+  method cannot go below 1.23-1.27x (as on the CPU at V = 32,000). The kernels halve the
+  bf16 time of the PyTorch tile ops (1.31-1.37x at large N, 3.1-3.6x at N <= 2048).
+- **Small N in bf16 is launch-bound**: 1024 x 151,936 runs in 3.3 ms unfused, and each
+  tile costs a few kernel launches. Wider tiles (4096 x 32768) reach 1.02-1.31x there but
+  hold 25-44% of the unfused memory, so they are not the default; pass
+  `vocab_chunk_size=32768` where memory allows. The CPU's 2048 x 2048 tiles ran
+  1.5-5.6x (the first GPU run, with them as the default everywhere: 7.7-13.8x in bf16).
 - **The loss is dispatch-bound on this GPU at every size of the grid:** every variant,
-  TRL's and the plain expressions included, took 0.87-1.30 ms, so the ratios sit at
-  0.92-1.03x and the CPU targets (1.5x from 64 x 4096) do not transfer. softtrust's fast
+  TRL's and the plain expressions included, took 0.57-1.05 ms, so the ratios sit at
+  0.93-1.11x and the CPU targets (1.5x from 64 x 4096) do not transfer. softtrust's fast
   path reads the log-ratio extremes on the host, which on a GPU is a synchronisation.
-- **One RL step** (small Qwen2, fp32): the fused step took 1.05-1.11x the unfused one
+- **One RL step** (small Qwen2, fp32): the fused step took 1.02-1.09x the unfused one
   and 0.45-0.68x its peak memory (the model's activations dominate at 16 x 2176 tokens)."""
 
 
@@ -173,70 +185,83 @@ def correctness_section(device: torch.device) -> str:
     grad_logp, grad_ent = torch.randn(2, n, generator=generator, dtype=torch.float64)
     active = labels != -100
 
-    def reference(dtype: torch.dtype) -> list[torch.Tensor]:
-        """The float64 computation on the inputs as rounded to ``dtype``."""
-        leaves = [x.to(dtype).double().requires_grad_() for x in (hidden, weight, bias)]
-        log_probs = torch.log_softmax((leaves[0] @ leaves[1].T + leaves[2]) / 0.7, -1)
-        logp = torch.where(active, log_probs.gather(1, labels.clamp(min=0)[:, None])[:, 0], 0)
-        entropy = torch.where(active, -(log_probs.exp() * log_probs).sum(-1), 0)
-        grads = torch.autograd.grad((logp * grad_logp + entropy * grad_ent).sum(), leaves)
-        return [x.detach() for x in (logp, entropy, *grads)]
+    def outputs(leaves, on_labels, tiles, full: bool) -> list[torch.Tensor | None]:
+        """``[log p, H, d hidden, d weight, d bias]`` (None where the row has no such output).
 
-    def on_device(dtype: torch.dtype, tiles: tuple[int, int] | None) -> list[torch.Tensor]:
-        """softtrust with ``tiles`` (None: the unfused path in ``dtype``, fp32 log-softmax)."""
-        leaves = [x.to(device, dtype).requires_grad_() for x in (hidden, weight, bias)]
-        on_labels = labels.to(device)
-        if tiles is None:
-            log_probs = torch.log_softmax((leaves[0] @ leaves[1].T + leaves[2]).float() / 0.7, -1)
-            logp = torch.where(
-                on_labels != -100, log_probs.gather(1, on_labels.clamp(min=0)[:, None])[:, 0], 0
+        ``full``: with the bias and the entropy (PyTorch tile ops); otherwise log-probs
+        alone without a bias, the case the Triton kernels take on CUDA.
+        """
+        bias_leaf = leaves[2] if full else None
+        active_rows = on_labels != -100
+        if tiles is None:  # the unfused path
+            logits = leaves[0] @ leaves[1].T + (bias_leaf if full else 0)
+            log_probs = torch.log_softmax(
+                logits.to(torch.promote_types(logits.dtype, torch.float32)) / 0.7, -1
             )
-            entropy = torch.where(on_labels != -100, -(log_probs.exp() * log_probs).sum(-1), 0)
+            logp = torch.where(active_rows, log_probs.gather(1, on_labels.clamp(min=0)[:, None])[:, 0], 0)
+            entropy = torch.where(active_rows, -(log_probs.exp() * log_probs).sum(-1), 0) if full else None
         else:
             chunk, vocab_chunk = tiles
-            logp, entropy = token_logprobs(
+            result = token_logprobs(
                 *leaves[:2],
                 on_labels,
-                bias=leaves[2],
+                bias=bias_leaf,
                 temperature=0.7,
                 chunk_size=chunk or None,
                 vocab_chunk_size=vocab_chunk or None,
-                with_entropy=True,
+                with_entropy=full,
             )
-        upstream = (logp * grad_logp.to(device) + entropy * grad_ent.to(device)).sum()
-        return [logp, entropy, *torch.autograd.grad(upstream, leaves)]
+            logp, entropy = result if full else (result, None)
+        objective = logp * grad_logp.to(logp.device)
+        if entropy is not None:
+            objective = objective + entropy * grad_ent.to(logp.device)
+        wrt = leaves if full else leaves[:2]
+        grads = list(torch.autograd.grad(objective.sum(), wrt)) + ([] if full else [None])
+        return [x if x is None else x.detach().double().cpu() for x in (logp, entropy, *grads)]
+
+    def errors_of(got: list, expected: list) -> list[float | None]:
+        return [
+            None if g is None else ((g - e).abs().max() / e.abs().max().clamp(min=1)).item()
+            for g, e in zip(got, expected, strict=True)
+        ]
 
     lines = ["| dtype | path | log-prob | entropy | d hidden | d weight | d bias | verdict |"]
     lines.append("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     failed = False
+    rows = (
+        ("unfused, bias, entropy", None, True),
+        ("softtrust, default tiles, bias, entropy (PyTorch tile ops)", (0, 0), True),
+        ("softtrust, 7 x 1013, bias, entropy", (7, 1013), True),
+        ("softtrust, default tiles, log-prob only, no bias (Triton kernels on CUDA)", (0, 0), False),
+        ("softtrust, 7 x 1013, log-prob only, no bias", (7, 1013), False),
+    )
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        expected = reference(dtype)
+        expected = {
+            full: outputs(
+                [x.to(dtype).double().requires_grad_() for x in (hidden, weight, bias)], labels, None, full
+            )
+            for full in (True, False)
+        }  # float64 on the CPU from the dtype-rounded inputs
         baseline = None
-        for label, tiles in (
-            ("unfused", None),
-            ("softtrust, default tiles", (0, 0)),
-            ("softtrust, 7 x 1013", (7, 1013)),
-        ):
-            errors = [
-                ((g.detach().double().cpu() - e).abs().max() / e.abs().max().clamp(min=1)).item()
-                for g, e in zip(on_device(dtype, tiles), expected, strict=True)
-            ]
+        for label, tiles, full in rows:
+            leaves = [x.to(device, dtype).requires_grad_() for x in (hidden, weight, bias)]
+            errors = errors_of(outputs(leaves, labels.to(device), tiles, full), expected[full])
             if baseline is None:
                 baseline, verdict = errors, "the yardstick"
             else:
                 bounds = [max(tolerance, 1.5 * b) for b in baseline]
-                ok = all(error <= bound for error, bound in zip(errors, bounds, strict=True))
+                ok = all(e is None or e <= bound for e, bound in zip(errors, bounds, strict=True))
                 failed |= not ok
                 verdict = f"{'within' if ok else '**FAILED**:'} max({tolerance:g}, 1.5 x unfused)"
             lines.append(
                 f"| {str(dtype)[6:]} | {label} | "
-                + " | ".join(f"{error:.1e}" for error in errors)
+                + " | ".join("–" if e is None else f"{e:.1e}" for e in errors)
                 + f" | {verdict} |"
             )
     table = "\n".join(lines)
     print(table, flush=True)
     return (
-        f"N = {n}, d = {dim}, V = {vocab:,}, bias, temperature 0.7, {int((~active).sum())} ignored rows; "
+        f"N = {n}, d = {dim}, V = {vocab:,}, temperature 0.7, {int((~active).sum())} ignored rows; "
         "errors: largest absolute error / largest reference magnitude (at least 1), against "
         "the unfused float64 computation on the CPU from the same dtype-rounded inputs"
         + (" (**a check FAILED**)" if failed else "")
@@ -247,9 +272,10 @@ def correctness_section(device: torch.device) -> str:
 
 def logprob_section(shapes, device: torch.device, warmup: int, repeats: int) -> str:
     sync = synchronizer(device)
-    names = [name for name in lp.VARIANTS if lp.trl_available() or not name.startswith("trl")]
-    at = names.index(lp.SOFTTRUST) + 1
-    names[at:at] = [lp.tile_variant(tile) for tile in TILES]
+    lp.VARIANTS[PYTORCH_OPS] = run_pytorch_tile_ops
+    trl = [name for name in lp.VARIANTS if name.startswith("trl") and lp.trl_available()]
+    tiles = [lp.tile_variant(tile) for tile in TILES]
+    names = ["unfused", lp.GEMM_FLOOR, lp.SOFTTRUST, PYTORCH_OPS, *tiles, *trl]
     sections, results = [], []
     for shape in shapes:
         hidden, weight, labels = (x.detach().to(device) for x in lp.make_inputs(shape))

@@ -8,6 +8,10 @@ never builds them. It streams over tiles of ``chunk_size`` tokens by
 ``vocab_chunk_size`` vocabulary entries, folds each tile into a running (online)
 log-sum-exp, and in backward recomputes each tile's logits instead of storing them.
 Only O(N) fp32 values are saved for backward: the log-sum-exp and the entropy per row.
+On CUDA, with triton installed (it ships with PyTorch's CUDA wheels), two Triton kernels
+(:mod:`softtrust._triton`) do each tile's elementwise work when there is no LM-head bias
+and no entropy: one pass to fold a tile in forward, one to write its gradient in
+backward. ``SOFTTRUST_TRITON=0`` keeps the PyTorch tile ops.
 
 Math, for one row with hidden state ``h``, labels ``y`` and temperature ``T``::
 
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from softtrust import _triton
 from softtrust._validation import check_number, check_shape
 
 IGNORE_INDEX = -100
@@ -48,9 +53,10 @@ TILE_ELEMENTS = 1 << 22
 # Vocabularies larger than this are split into chunks folded by the online log-sum-exp.
 DEFAULT_VOCAB_CHUNK_SIZE = 2048
 # On a GPU the same 2048 x 2048 tiles leave it waiting on kernel launches: on an H200
-# (`bench_gpu.py`, docs/benchmarks_gpu.md) they ran 7.7-13.8x the unfused path in bf16,
-# 8192 x 16384 tiles 1.45-2.7x. Off the CPU a tile holds up to 128 Mi logits (512 MiB in
-# fp32), VOCAB_CHUNK_SIZE_GPU vocabulary entries wide.
+# (`bench_gpu.py`, docs/benchmarks_gpu.md) they ran 7.7-13.8x the unfused path in bf16
+# with PyTorch tile ops, 8192 x 16384 tiles 1.45-2.7x. Off the CPU a tile holds up to
+# 128 Mi logits (512 MiB in fp32), VOCAB_CHUNK_SIZE_GPU vocabulary entries wide; wider
+# chunks are faster at small N but hold more than 25% of the unfused path's memory there.
 TILE_ELEMENTS_GPU = 1 << 27
 VOCAB_CHUNK_SIZE_GPU = 8192
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -227,11 +233,25 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         state_type = _OnlineLogSumExpEntropy if with_entropy else _OnlineLogSumExp
         state = state_type.empty(hidden.shape[0], acc_dtype, hidden.device)
         workspace = _Workspace(hidden.device)
+        kernels = not with_entropy and _kernels_apply(hidden, bias, acc_dtype)
         with _autocast_off(hidden.device):
             for v0, v1 in _spans(weight.shape[0], vocab_chunk):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
                 bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
                 for n0, n1 in _spans(hidden.shape[0], token_chunk):
+                    if kernels:  # the GEMM, then one Triton kernel for the whole fold
+                        raw = _logits_tile(
+                            hidden[n0:n1], weight_chunk, None, 1.0, acc_dtype, workspace
+                        )  # [n, v]
+                        _triton.fold(
+                            raw,
+                            labels[n0:n1] - v0,
+                            inv_temperature,
+                            state.log_normalizer[n0:n1],
+                            state.target[n0:n1],
+                            first=v0 == 0,
+                        )
+                        continue
                     logits = _logits_tile(
                         hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
                     )  # [n, v]
@@ -265,6 +285,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         scaled_hidden = (hidden * row_scale.unsqueeze(1)).to(gemm_dtype) if needs_weight else None  # [M, d]
         token_spans = list(_spans(hidden.shape[0], token_chunk))
         workspace = _Workspace(hidden.device)
+        kernels = grad_entropy is None and _kernels_apply(hidden, bias, acc_dtype)
         with _autocast_off(hidden.device):
             for v0, v1 in _spans(weight.shape[0], vocab_chunk):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
@@ -275,6 +296,22 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                         grad_weight[v0:v1], acc_dtype, terms=len(token_spans)
                     )  # [v, d]
                 for n0, n1 in token_spans:
+                    if kernels:  # the GEMM, then one Triton kernel writes p - onehot in the GEMM dtype
+                        raw = _logits_tile(
+                            hidden[n0:n1], weight_chunk, None, 1.0, acc_dtype, workspace
+                        )  # [n, v]
+                        # fp32: in place; bf16: into the bf16 GEMM buffer, free again (as below)
+                        out = (
+                            raw if gemm_dtype == acc_dtype else workspace.tile("gemm", *raw.shape, gemm_dtype)
+                        )
+                        grad_tile = _triton.grad_tile(
+                            raw, labels[n0:n1] - v0, inv_temperature, log_normalizer[n0:n1], out
+                        )  # [n, v]
+                        if grad_hidden is not None:
+                            _add_matmul(grad_hidden[n0:n1], grad_tile, weight_chunk)  # [n, d]
+                        if grad_weight_rows is not None:
+                            grad_weight_rows.add(grad_tile.T, scaled_hidden[n0:n1])  # += dzᵀ @ h  [v, d]
+                        continue
                     logits = _logits_tile(
                         hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
                     )  # [n, v] recomputed
@@ -301,6 +338,15 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden.mul_(row_scale.unsqueeze(1))  # dh = row_scale ⊙ Σ_c tile_c @ W_c
         return _grads_out(grad_hidden, grad_weight, grad_bias, hidden, bias)
+
+
+def _kernels_apply(hidden: torch.Tensor, bias: torch.Tensor | None, acc_dtype: torch.dtype) -> bool:
+    """Whether the Triton tile kernels (:mod:`softtrust._triton`) take a tile's elementwise work.
+
+    They cover fp32 accumulation without an LM-head bias (the callers also exclude the
+    entropy: its fold and gradient stay in PyTorch), on a device where they run.
+    """
+    return bias is None and acc_dtype == torch.float32 and _triton.available(hidden.device)
 
 
 class _Workspace:

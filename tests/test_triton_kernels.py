@@ -1,0 +1,79 @@
+"""softtrust's Triton tile kernels (softtrust/_triton.py) against the PyTorch path.
+
+The kernels run on CUDA; here triton's interpreter (``TRITON_INTERPRET=1``) runs them on
+CPU tensors, in a fresh interpreter because triton reads that variable when it compiles.
+Skipped when triton is not installed (the ``dev`` extra installs it on Linux); the GPU
+benchmark (benchmarks/bench_gpu.py) checks them on a GPU against float64.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import softtrust
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+SCRIPT = r"""
+import json, torch
+import softtrust._triton as kernels
+from softtrust.logprobs import token_logprobs
+
+calls = {"fold": 0, "grad_tile": 0}
+for name in calls:
+    real = getattr(kernels, name)
+    def counted(*args, _real=real, _name=name, **kwargs):
+        calls[_name] += 1
+        return _real(*args, **kwargs)
+    setattr(kernels, name, counted)
+
+def run(dtype, chunk, vocab_chunk, temperature, use_kernels):
+    kernels.available = (lambda device: True) if use_kernels else (lambda device: False)
+    generator = torch.Generator().manual_seed(0)
+    n, dim, vocab = 45, 12, 1500
+    hidden = torch.randn(n, dim, generator=generator).to(dtype).requires_grad_()
+    weight = (0.4 * torch.randn(vocab, dim, generator=generator)).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=generator)
+    labels[::7] = -100
+    labels[1:6] = torch.tensor([0, vocab - 1, 332, 333, 666])  # first, last, either side of a chunk edge
+    upstream = torch.randn(n, generator=generator)
+    logp = token_logprobs(hidden, weight, labels, temperature=temperature, chunk_size=chunk, vocab_chunk_size=vocab_chunk)
+    grads = torch.autograd.grad((logp * upstream).sum(), (hidden, weight))
+    return [logp.double(), *(g.double() for g in grads)]
+
+errors = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for chunk, vocab_chunk, temperature in ((None, None, 0.7), (7, 333, 1.0), (45, 1500, 1.3)):
+        got = run(dtype, chunk, vocab_chunk, temperature, True)
+        expected = run(dtype, chunk, vocab_chunk, temperature, False)
+        key = f"{dtype}-{chunk}-{vocab_chunk}-{temperature}"
+        errors[key] = [((g - e).abs().max() / e.abs().max().clamp(min=1)).item() for g, e in zip(got, expected)]
+print(json.dumps({"errors": errors, "calls": calls}))
+"""
+
+
+def test_kernels_match_the_pytorch_path_values_and_gradients():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SOFTTRUST_TRITON": "1"}
+    src = str(Path(softtrust.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # 6 configurations: fold once per tile in forward, grad_tile once per tile in backward
+    assert result["calls"]["fold"] > 6 and result["calls"]["grad_tile"] == result["calls"]["fold"]
+    for key, errors in result["errors"].items():
+        # fp32: the same math in another order. bf16: the gradient tile is rounded to bf16 in
+        # both paths, where an exp that differs in its last fp32 bit flips a rounding; the
+        # gradients, bf16 too, then differ by a few bf16 ulps (2^-8 relative each): the bf16
+        # tolerance of the other tests. A misplaced label costs O(1) in either dtype.
+        tolerance = 1e-6 if "float32" in key else 2e-2
+        assert max(errors) <= tolerance, (key, errors)
