@@ -265,6 +265,7 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_mo
     # ... and the run resumes from it to the end.
     summary = train(micro_config(micro_model_dir, output_dir, max_steps=4, resume=str(output_dir)))
     assert summary["steps"] == 4
+    assert summary["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     assert not list((output_dir / "checkpoints").glob(".tmp-*"))
 
 
@@ -448,3 +449,31 @@ def test_a_shorter_step_budget_is_a_prefix_of_a_longer_run(micro_model_dir, tmp_
     assert [m["reward/mean"] for m in short_metrics] == [m["reward/mean"] for m in long_metrics[:2]]
     assert [m["loss"] for m in short_metrics] == [m["loss"] for m in long_metrics[:2]]
     assert long_metrics[1]["eval/accuracy"] == short["accuracy_after"]
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CUDA", ""])
+def test_unknown_device_is_refused_naming_the_field(device):
+    with pytest.raises(ValueError, match=r"device: choose auto, cpu, cuda or cuda:N \(got"):
+        TrainConfig(device=device).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda_is_refused_before_any_work(device):
+    with pytest.raises(
+        ValueError, match=r"device: CUDA was asked for but torch.cuda.is_available\(\) is False"
+    ):
+        TrainConfig(device=device).validate()
+
+
+def test_one_process_world_takes_the_resolved_device(monkeypatch):
+    from softtrust.train.config import resolve_device
+    from softtrust.train.distributed import init_world
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_world(device=resolve_device("cpu")).device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")  # auto takes a GPU when there is one
+    assert init_world(device=resolve_device("cuda:1")).device == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")

@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from softtrust.aggregation import AGGREGATIONS
@@ -126,6 +127,11 @@ class TrainConfig:
     num_threads: int = _field(
         1, "torch intra-op CPU threads (a tiny model gains little from more; 0 keeps torch's default)."
     )
+    device: str = _field(
+        "auto",
+        "Device of a one-process run: auto (cuda when available, else cpu) | cpu | cuda | cuda:N. "
+        "Under torchrun each rank takes cuda:LOCAL_RANK when CUDA is available, else the CPU.",
+    )
     # --- distributed (under torchrun; see docs/distributed.md)
     fsdp: bool = _field(
         False,
@@ -208,6 +214,12 @@ class TrainConfig:
         need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
         need(self.max_steps >= 0, "max_steps", "must be >= 0")
         need(self.num_threads >= 0, "num_threads", "must be >= 0")
+        need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
+        need(
+            not self.device.startswith("cuda") or torch.cuda.is_available(),
+            "device",
+            "CUDA was asked for but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)",
+        )
         need(self.max_nonfinite >= 1, "max_nonfinite", "must be >= 1")
         need(
             self.eval_every >= 0 and self.save_every >= 0,
@@ -322,6 +334,18 @@ def build_method_loss(config: TrainConfig):
 
 
 # ---------------------------------------------------------------------- command line
+def _known_device(device: str) -> bool:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    return device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+
+
+def resolve_device(device: str) -> torch.device:
+    """The ``torch.device`` of a one-process run: ``auto`` is ``cuda`` when available, else ``cpu``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def _field_kind(cls, name: str):
     """The field's base type: int, float, str, bool, list or dict (Optional unwrapped)."""
     hint = typing.get_type_hints(cls)[name]

@@ -182,12 +182,12 @@ class World:
 
 
 # ---------------------------------------------------------------------- start and stop
-def init_world(fsdp: bool = False) -> World:
+def init_world(fsdp: bool = False, device: torch.device | str = "cpu") -> World:
     """Join the process group that ``torchrun`` describes, or return a single-process world.
 
     ``WORLD_SIZE`` > 1 (set by ``torchrun``): NCCL with ``cuda:LOCAL_RANK`` when CUDA is
-    available, else gloo on the CPU. Otherwise one process on the CPU (FSDP2 is refused:
-    there is nothing to shard over).
+    available, else gloo on the CPU. Otherwise one process on ``device`` (FSDP2 is
+    refused: there is nothing to shard over).
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
@@ -195,7 +195,7 @@ def init_world(fsdp: bool = False) -> World:
             raise ValueError(
                 "fsdp: FSDP2 shards over several processes; launch with torchrun --nproc_per_node P"
             )
-        return World()
+        return World(device=torch.device(device))
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if torch.cuda.is_available():

@@ -217,7 +217,11 @@ def sample_completions(
             token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
         elif temperature > 0:
             log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
-            token = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(1)  # [B]
+            probs = log_probs.exp()  # [B, V]
+            if generator is not None and generator.device != probs.device:  # a CPU stream, a GPU model
+                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # [B]
+            else:
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
         else:
             log_probs = torch.log_softmax(logits, dim=-1)
             token = logits.argmax(dim=-1)

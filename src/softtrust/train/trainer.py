@@ -32,7 +32,7 @@ from .checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from .config import TrainConfig, build_method_loss
+from .config import TrainConfig, build_method_loss, resolve_device
 from .distributed import (
     World,
     close_world,
@@ -90,7 +90,7 @@ def train(config: TrainConfig) -> dict:
     config = resolve_resume_config(config).validate()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    world = init_world(config.fsdp)
+    world = init_world(config.fsdp, resolve_device(config.device))
     try:
         summary = train_in_world(config, world)
     except BaseException:
@@ -691,6 +691,7 @@ class RunLog:
             "nonfinite_skips": counters.nonfinite_skips,
             "reward_failures": counters.reward_failures,
             "completion_tokens": counters.completion_tokens,
+            "device": str(next(model.parameters()).device),  # where the learner ran
             "final_dir": str(final),
         }
         if not self.writes:
