@@ -71,6 +71,10 @@ class Shape:
     def label(self) -> str:
         return f"N={self.tokens}, d={HIDDEN_SIZE}, V={self.vocab:,}, {self.dtype}"
 
+    def short(self) -> str:
+        """``float32, N = 2,048, V = 32,000``: the shape as the written reading names it."""
+        return f"{self.dtype}, N = {self.tokens:,}, V = {self.vocab:,}"
+
 
 FULL_SHAPES = (
     Shape(1024, 151936, "float32"),
@@ -338,10 +342,8 @@ def shape_result(shape: Shape, times: dict[str, list[Timing]], memory: dict[str,
 
 
 def _at(results: list[ShapeResult], values: list[float]) -> str:
-    """``0.96× (fp32, V = 151,936), ...``: one value per shape, named."""
-    return ", ".join(
-        f"{v:.2f}× ({r.shape.dtype}, V = {r.shape.vocab:,})" for r, v in zip(results, values, strict=True)
-    )
+    """``0.96× (float32, N = 1,024, V = 151,936), ...``: one value per shape, named."""
+    return ", ".join(f"{v:.2f}× ({r.shape.short()})" for r, v in zip(results, values, strict=True))
 
 
 def tile_text(device: str) -> str:
@@ -378,10 +380,9 @@ def reading(results: list[ShapeResult], trl_version: str | None = None, device: 
             f"{_at(results, memory)} of the unfused path's. Most of it is the weight gradient, which every "
             "variant allocates: "
             + ", ".join(
-                f"{r.shape.vocab * HIDDEN_SIZE * r.shape.torch_dtype.itemsize / 2**20:,.0f} MiB"
-                f" ({r.shape.dtype}, V = {r.shape.vocab:,})"
-                for r in results
-            )
+                f"{vocab * HIDDEN_SIZE * getattr(torch, dtype).itemsize / 2**20:,.0f} MiB ({dtype}, V = {vocab:,})"
+                for dtype, vocab in dict.fromkeys((r.shape.dtype, r.shape.vocab) for r in results)
+            )  # V x d: one entry per dtype and vocabulary
             + f". Above it softtrust holds one tile workspace of at most {tile_text(device)} and O(N d) "
             "buffers, whatever V and N are."
         )
@@ -404,7 +405,7 @@ def reading(results: list[ShapeResult], trl_version: str | None = None, device: 
         )
         for r in slow:
             floor = 4 / 3 * r.time[GEMM_FLOOR]
-            where = f"{r.shape.dtype}, V = {r.shape.vocab:,}"
+            where = r.shape.short()
             if round(floor, 2) > 1.2:
                 bullets.append(
                     f"At {where} the unfused path is only {1 / r.time[GEMM_FLOOR]:.2f}× its own 3-GEMM "

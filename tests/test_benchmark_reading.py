@@ -62,7 +62,7 @@ def test_logprob_reading_meets_both_targets_when_every_shape_does():
         "1.16.0",
     )
     assert "**Memory (target ≤ 25% of unfused): met.**" in text
-    assert "0.23× (float32, V = 151,936), 0.14× (bfloat16, V = 32,000)" in text
+    assert "0.23× (float32, N = 2,048, V = 151,936), 0.14× (bfloat16, N = 2,048, V = 32,000)" in text
     assert "519 MiB (float32, V = 151,936), 55 MiB (bfloat16, V = 32,000)" in text  # V x d gradient
     assert "**Time (target ≤ 1.2× unfused): met at every shape:**" in text
     assert "its own floor is 4 GEMMs, 4/3 of that: 0.93×" in text and "0.92× (bfloat16" in text
@@ -82,11 +82,11 @@ def test_logprob_reading_tells_a_floor_bound_miss_from_an_avoidable_one():
     assert "**Memory (target ≤ 25% of unfused): not met at 1 of 2 shapes.**" in text
     assert "(below 1" not in text
     assert "met at 0 of 2 shapes" in text
-    assert "At float32, V = 32,000 the unfused path is only 1.10× its own 3-GEMM floor" in text
+    assert "At float32, N = 2,048, V = 32,000 the unfused path is only 1.10× its own 3-GEMM floor" in text
     assert "(1.21× at best)" in text
     assert "- TRL `selective_log_softmax`: 1.10×" in text  # no version given
     assert (
-        "At float32, V = 151,936 the 4-GEMM floor (1.00×) is inside the target: softtrust ran at 1.25× that floor"
+        "At float32, N = 2,048, V = 151,936 the 4-GEMM floor (1.00×) is inside the target: softtrust ran at 1.25× that floor"
         in text
     )
 
@@ -116,3 +116,13 @@ def test_gpu_benchmark_correctness_check_passes_on_cpu_and_can_fail(monkeypatch)
     monkeypatch.setattr(softtrust.logprobs, "token_logprobs", off_by_a_little)
     text = bench_gpu.correctness_section(torch.device("cpu"))
     assert "(**a check FAILED**)" in text and text.count("**FAILED**:") == 4  # the fp32 rows only
+
+
+def test_logprob_reading_tells_shapes_apart_by_n_and_lists_each_weight_gradient_once():
+    small, large = logprob_result(151936, "bfloat16", 1.9, 0.4), logprob_result(151936, "bfloat16", 0.8, 0.36)
+    large = bench_logprobs.ShapeResult(
+        bench_logprobs.Shape(16384, 151936, "bfloat16"), large.time, large.memory
+    )
+    text = bench_logprobs.reading([small, large])
+    assert "1.90× (bfloat16, N = 2,048, V = 151,936), 0.80× (bfloat16, N = 16,384, V = 151,936)" in text
+    assert text.count("260 MiB (bfloat16, V = 151,936)") == 1  # V x d, whatever N

@@ -471,9 +471,13 @@ def test_one_process_world_takes_the_resolved_device(monkeypatch):
     from softtrust.train.distributed import init_world
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    current = []  # torch.cuda.set_device calls: Triton launches on the current device
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
     assert init_world(device=resolve_device("cpu")).device == torch.device("cpu")
+    assert current == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto") == torch.device("cuda")  # auto takes a GPU when there is one
     assert init_world(device=resolve_device("cuda:1")).device == torch.device("cuda", 1)
+    assert current == [torch.device("cuda", 1)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")

@@ -14,14 +14,18 @@ no LM-head bias and no entropy gradient:
   the GEMM dtype (bf16 for bf16 inputs). Replaces shift, exp, scatter and the bf16 copy.
 
 The math is the same as the PyTorch path of :mod:`softtrust.logprobs`, in fp32.
-``triton`` is optional: :func:`available` says whether these kernels can run on a
-device. Set ``SOFTTRUST_TRITON=0`` to keep the PyTorch path everywhere.
+``triton`` is optional: :func:`available` says whether these kernels run on a device
+(the first time, it runs both on a small tile and checks them against PyTorch; a
+Triton that cannot build or run them leaves a warning and the PyTorch path). Set
+``SOFTTRUST_TRITON=0`` to keep the PyTorch path everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import warnings
 
 import torch
 
@@ -101,17 +105,64 @@ def _triton():
 
 
 def available(device: torch.device) -> bool:
-    """Whether the kernels run on ``device``: CUDA, triton installed, ``SOFTTRUST_TRITON`` not 0.
+    """Whether the kernels run on ``device``: CUDA, triton installed and working there,
+    ``SOFTTRUST_TRITON`` not ``0``.
 
-    With ``TRITON_INTERPRET=1`` set before the first use, triton's interpreter runs them on
-    CPU tensors too (slowly): the tests use it to check the kernels without a GPU.
+    ``SOFTTRUST_TRITON=interpret`` with ``TRITON_INTERPRET=1`` (set before triton is first
+    imported) runs them on CPU tensors through triton's interpreter, slowly: the tests use
+    it to check the kernels without a GPU.
     """
-    if os.environ.get("SOFTTRUST_TRITON", "1") == "0":
+    mode = os.environ.get("SOFTTRUST_TRITON", "1")
+    if mode == "0":
         return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not (interpreted and device.type == "cpu"):
         return False
-    return _triton() is not None
+    return _triton() is not None and _works_on(device)
+
+
+@functools.cache
+def _works_on(device: torch.device) -> bool:
+    """Run both kernels once on a 3 x 37 tile on ``device`` and compare them with PyTorch.
+
+    A triton that cannot compile or launch them there (no C compiler, an unsupported
+    GPU), or that computes something else, gives a warning and False: the caller then
+    keeps the PyTorch tile ops instead of failing.
+    """
+    try:
+        generator = torch.Generator().manual_seed(0)
+        raw = (4 * torch.randn(3, 37, generator=generator)).to(device)
+        labels = torch.tensor([0, 36, 40], device=device)  # first, last, outside the chunk
+        lse = torch.zeros(3, device=device)
+        target = torch.full((3,), -1.0, device=device)
+        fold(raw, labels, 0.5, lse, target, first=True)
+        grad = grad_tile(raw, labels, 0.5, lse, torch.empty_like(raw))
+        z = raw * 0.5
+        expected_lse = torch.logsumexp(z, 1)
+        expected_grad = torch.exp(z - expected_lse[:, None])
+        expected_grad[0, 0] -= 1
+        expected_grad[1, 36] -= 1
+        expected_target = torch.stack([z[0, 0], z[1, 36], torch.tensor(-1.0, device=device)])
+        ok = all(
+            torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+            for got, want in ((lse, expected_lse), (target, expected_target), (grad, expected_grad))
+        )
+        if not ok:
+            raise RuntimeError("the kernels' results differ from PyTorch's on a test tile")
+    except Exception as error:  # any failure: keep the PyTorch path, say why once
+        warnings.warn(
+            f"softtrust: Triton tile kernels unavailable on {device} ({type(error).__name__}: {error}); "
+            "token_logprobs uses PyTorch tile ops there",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def fold(
@@ -125,17 +176,18 @@ def fold(
     """Fold one tile into the running log-sum-exp and label logit (see the module docstring)."""
     _, fold_kernel, _ = _triton()
     rows, cols = raw.shape
-    fold_kernel[(rows,)](
-        raw,
-        local_labels,
-        log_normalizer,
-        target,
-        cols,
-        raw.stride(0),
-        inv_temperature,
-        FIRST=first,
-        BLOCK=FOLD_BLOCK,
-    )
+    with _on(raw.device):
+        fold_kernel[(rows,)](
+            raw,
+            local_labels,
+            log_normalizer,
+            target,
+            cols,
+            raw.stride(0),
+            inv_temperature,
+            FIRST=first,
+            BLOCK=FOLD_BLOCK,
+        )
 
 
 def grad_tile(
@@ -149,15 +201,16 @@ def grad_tile(
     triton, _, grad_kernel = _triton()
     rows, cols = raw.shape
     grid = (rows, triton.cdiv(cols, GRAD_BLOCK))
-    grad_kernel[grid](
-        raw,
-        local_labels,
-        log_normalizer,
-        out,
-        cols,
-        raw.stride(0),
-        out.stride(0),
-        inv_temperature,
-        BLOCK=GRAD_BLOCK,
-    )
+    with _on(raw.device):
+        grad_kernel[grid](
+            raw,
+            local_labels,
+            log_normalizer,
+            out,
+            cols,
+            raw.stride(0),
+            out.stride(0),
+            inv_temperature,
+            BLOCK=GRAD_BLOCK,
+        )
     return out

@@ -150,7 +150,9 @@ def load_checkpoint(checkpoint: Path, model) -> dict:
     """Load the weights into ``model`` (in place) and return the state dict (weights_only)."""
     checkpoint = Path(checkpoint)
     load_model(model, str(checkpoint / MODEL_FILE))
-    return torch.load(checkpoint / STATE_FILE, weights_only=True)
+    # On the CPU whatever device wrote it: a GPU run resumes on a CPU machine (or another GPU);
+    # optimizer.load_state_dict moves the state to its parameters' device.
+    return torch.load(checkpoint / STATE_FILE, weights_only=True, map_location="cpu")
 
 
 def rng_state(generator: torch.Generator, python_rng) -> dict:

@@ -218,7 +218,8 @@ class TrainConfig:
         need(
             not self.device.startswith("cuda") or torch.cuda.is_available(),
             "device",
-            "CUDA was asked for but torch.cuda.is_available() is False (a CPU build of torch, or no GPU)",
+            "CUDA was asked for but torch.cuda.is_available() is False (a CPU build of torch, or no GPU); "
+            "pass --device cpu (also to resume a GPU run here)",
         )
         need(self.max_nonfinite >= 1, "max_nonfinite", "must be >= 1")
         need(

@@ -195,7 +195,10 @@ def init_world(fsdp: bool = False, device: torch.device | str = "cpu") -> World:
             raise ValueError(
                 "fsdp: FSDP2 shards over several processes; launch with torchrun --nproc_per_node P"
             )
-        return World(device=torch.device(device))
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # kernels that launch on the current device (Triton) use it
+        return World(device=device)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if torch.cuda.is_available():

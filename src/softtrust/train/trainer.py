@@ -538,7 +538,7 @@ def restore(config, learner: Learner, rollouts, counters, generator, sampler, ru
         from safetensors.torch import load_file
 
         load_full_model_state(learner.policy, load_file(str(checkpoint / "model.safetensors")))
-        state = torch.load(checkpoint / "state.pt", weights_only=True)
+        state = torch.load(checkpoint / "state.pt", weights_only=True, map_location="cpu")
     else:
         state = load_checkpoint(checkpoint, learner.model)
     load_full_optimizer_state(learner.policy, learner.optimizer, state["optimizer"], learner.world)
