@@ -129,10 +129,6 @@ def working(variants: dict[str, Callable[[], None]]) -> dict[str, Callable[[], N
     return kept
 
 
-def paired(samples: list[float], base: list[float]) -> float:
-    return statistics.median(s / b for s, b in zip(samples, base, strict=True))
-
-
 def peak_mib(fn: Callable[[], None], device: torch.device) -> float | None:
     """Peak CUDA memory of one call above what was allocated before it (None off CUDA)."""
     if device.type != "cuda":
@@ -298,14 +294,16 @@ def logprob_section(shapes, device: torch.device, warmup: int, repeats: int) -> 
         for name in variants:
             peak = memory.get(name)
             lines.append(
-                f"| {name} | {1e3 * statistics.median(times[name]):.2f} | {paired(times[name], base):.2f} "
+                f"| {name} | {1e3 * statistics.median(times[name]):.2f} | {lp.median_ratio(times[name], base):.2f} "
                 f"| {'n/a' if peak is None else f'{peak:,.0f}'} "
                 f"| {'n/a' if peak is None or not base_memory else f'{peak / base_memory:.2f}'} |"
             )
         sections.append("\n".join(lines))
         print(sections[-1], "\n", flush=True)
         memory_ratios = {n: m / base_memory for n, m in memory.items() if m is not None and base_memory}
-        results.append(lp.ShapeResult(shape, {n: paired(t, base) for n, t in times.items()}, memory_ratios))
+        results.append(
+            lp.ShapeResult(shape, {n: lp.median_ratio(t, base) for n, t in times.items()}, memory_ratios)
+        )
     reading = lp.reading(results, bench_loss.trl_version(), device.type)
     return "\n\n".join(sections) + (
         "\n\nReading (written from this run's numbers):\n\n" + reading if reading else ""
@@ -367,7 +365,7 @@ def e2e_section(shapes, device: torch.device, warmup: int, repeats: int) -> str:
         )
         lines.append(
             f"| {shape[0]}, {shape[1]} + {shape[2]} | {unfused:.1f} | {fused:.1f} "
-            f"| {paired(times['fused'], times['unfused']):.2f} | {memory_text} |"
+            f"| {lp.median_ratio(times['fused'], times['unfused']):.2f} | {memory_text} |"
         )
         print(lines[-1], flush=True)
     return "\n".join(lines)

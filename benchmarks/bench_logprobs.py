@@ -287,11 +287,14 @@ def machine_description(threads: int) -> str:
     )
 
 
-def paired_ratio(samples: list[Timing], base: list[Timing], field: str) -> float:
+def median_ratio(samples: list[float], base: list[float]) -> float:
     """Median over rounds of ``sample / base`` within the same round."""
-    return statistics.median(
-        getattr(t, field) / getattr(b, field) for t, b in zip(samples, base, strict=True)
-    )
+    return statistics.median(t / b for t, b in zip(samples, base, strict=True))
+
+
+def paired_ratio(samples: list[Timing], base: list[Timing], field: str) -> float:
+    """:func:`median_ratio` of one field (``wall`` or ``cpu``) of the timings."""
+    return median_ratio([getattr(t, field) for t in samples], [getattr(b, field) for b in base])
 
 
 def shape_table(shape: Shape, times: dict[str, list[Timing]], memory: dict[str, dict]) -> str:

@@ -239,23 +239,18 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
                 bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
                 for n0, n1 in _spans(hidden.shape[0], token_chunk):
-                    if kernels:  # the GEMM, then one Triton kernel for the whole fold
+                    local_labels = labels[n0:n1] - v0  # [n]
+                    if kernels:  # the GEMM, then one Triton kernel folds the tile (temperature included)
                         raw = _logits_tile(
                             hidden[n0:n1], weight_chunk, None, 1.0, acc_dtype, workspace
                         )  # [n, v]
-                        _triton.fold(
-                            raw,
-                            labels[n0:n1] - v0,
-                            inv_temperature,
-                            state.log_normalizer[n0:n1],
-                            state.target[n0:n1],
-                            first=v0 == 0,
-                        )
-                        continue
-                    logits = _logits_tile(
-                        hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
-                    )  # [n, v]
-                    state.fold(logits, labels[n0:n1] - v0, n0, n1, first=v0 == 0, workspace=workspace)
+                        running, target = state.log_normalizer[n0:n1], state.target[n0:n1]  # [n] each
+                        _triton.fold(raw, local_labels, inv_temperature, running, target, first=v0 == 0)
+                    else:
+                        logits = _logits_tile(
+                            hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
+                        )  # [n, v]
+                        state.fold(logits, local_labels, n0, n1, first=v0 == 0, workspace=workspace)
         log_normalizer, logprobs, entropy = state.finish()  # [M] each
         ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy)
         ctx.config = (inv_temperature, token_chunk, vocab_chunk, gemm_dtype)
@@ -296,6 +291,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                         grad_weight[v0:v1], acc_dtype, terms=len(token_spans)
                     )  # [v, d]
                 for n0, n1 in token_spans:
+                    local_labels = labels[n0:n1] - v0  # [n]
                     if kernels:  # the GEMM, then one Triton kernel writes p - onehot in the GEMM dtype
                         raw = _logits_tile(
                             hidden[n0:n1], weight_chunk, None, 1.0, acc_dtype, workspace
@@ -305,30 +301,27 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                             raw if gemm_dtype == acc_dtype else workspace.tile("gemm", *raw.shape, gemm_dtype)
                         )
                         grad_tile = _triton.grad_tile(
-                            raw, labels[n0:n1] - v0, inv_temperature, log_normalizer[n0:n1], out
+                            raw, local_labels, inv_temperature, log_normalizer[n0:n1], out
+                        )
+                    else:
+                        logits = _logits_tile(
+                            hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
+                        )  # [n, v] recomputed
+                        grad_tile = _logits_grad_tile(
+                            logits,
+                            local_labels,
+                            log_normalizer[n0:n1],
+                            entropy[n0:n1],
+                            None if grad_logprobs is None else grad_logprobs[n0:n1],
+                            None if grad_entropy is None else grad_entropy[n0:n1],
+                            workspace,
                         )  # [n, v]
-                        if grad_hidden is not None:
-                            _add_matmul(grad_hidden[n0:n1], grad_tile, weight_chunk)  # [n, d]
-                        if grad_weight_rows is not None:
-                            grad_weight_rows.add(grad_tile.T, scaled_hidden[n0:n1])  # += dzᵀ @ h  [v, d]
-                        continue
-                    logits = _logits_tile(
-                        hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
-                    )  # [n, v] recomputed
-                    grad_tile = _logits_grad_tile(
-                        logits,
-                        labels[n0:n1] - v0,
-                        log_normalizer[n0:n1],
-                        entropy[n0:n1],
-                        None if grad_logprobs is None else grad_logprobs[n0:n1],
-                        None if grad_entropy is None else grad_entropy[n0:n1],
-                        workspace,
-                    )  # [n, v]: dz = row_scale[:, None] * grad_tile
-                    if grad_bias is not None:
-                        grad_bias[v0:v1] += grad_tile.T @ row_scale[n0:n1]  # [v]
-                    if gemm_dtype != acc_dtype:
-                        # The GEMM output tile is free again: reuse it for the bf16 copy.
-                        grad_tile = workspace.tile("gemm", *grad_tile.shape, gemm_dtype).copy_(grad_tile)
+                        if grad_bias is not None:
+                            grad_bias[v0:v1] += grad_tile.T @ row_scale[n0:n1]  # [v]
+                        if gemm_dtype != acc_dtype:
+                            # The GEMM output tile is free again: reuse it for the bf16 copy.
+                            grad_tile = workspace.tile("gemm", *grad_tile.shape, gemm_dtype).copy_(grad_tile)
+                    # dz = row_scale[:, None] * grad_tile, in the GEMM dtype
                     if grad_hidden is not None:
                         _add_matmul(grad_hidden[n0:n1], grad_tile, weight_chunk)  # [n, d]
                     if grad_weight_rows is not None:
