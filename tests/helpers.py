@@ -31,7 +31,7 @@ def loss_and_grad(loss_fn, logprobs, *args, **kwargs):
     leaf = logprobs.detach().clone().requires_grad_(True)
     out = loss_fn(leaf, *args, **kwargs)
     (grad,) = torch.autograd.grad(out.loss, leaf, allow_unused=False)
-    return out.loss.detach(), grad, out.metrics
+    return out.loss.detach(), grad, out.metric_values()
 
 
 def single_token(method, log_r, advantage, **method_params):

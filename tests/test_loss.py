@@ -54,12 +54,13 @@ def test_masked_positions_never_matter(method, level, correction, poison):
 
 
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
-@pytest.mark.parametrize("method", ["clip", "gspo", "vespo", "sapo", "gmpo", "cispo"])
+@pytest.mark.parametrize("method", list(st.METHODS))
 def test_micro_batches_with_global_normaliser_reproduce_whole_batch(method, aggregation):
     logprobs, old, advantages, mask = random_batch(batch=9, length=6, seed=13)
     mask[4] = False  # a row with no active token inside a micro-batch
     loss_fn = st.PolicyLoss(method, aggregation=aggregation, max_completion_length=6)
     whole_loss, whole_grad, _ = loss_and_grad(loss_fn, logprobs, old, advantages, mask)
+    state = loss_fn.batch_state(logprobs, old, advantages, mask)  # batch-wide selections: global
     total, grads = 0.0, []
     for rows in (slice(0, 2), slice(2, 7), slice(7, 9)):
         loss, grad, _ = loss_and_grad(
@@ -70,6 +71,7 @@ def test_micro_batches_with_global_normaliser_reproduce_whole_batch(method, aggr
             mask[rows],
             num_tokens=mask.sum(),
             num_sequences=mask.shape[0],
+            state=state,
         )
         total += loss.item()
         grads.append(grad)
@@ -236,7 +238,7 @@ def test_clip_fractions_count_the_tokens_whose_gradient_is_zeroed():
     ratios = torch.tensor([[1.5, 1.0, 0.5], [1.5, 1.0, 0.5]], dtype=torch.float64)
     advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    metrics = st.PolicyLoss("clip")(logprobs, -ratios.log(), advantages, mask).metrics
+    metrics = st.PolicyLoss("clip")(logprobs, -ratios.log(), advantages, mask).metric_values()
     assert metrics["clip/high"] == pytest.approx(1 / 6)  # r = 1.5 with A > 0
     assert metrics["clip/low"] == pytest.approx(1 / 6)  # r = 0.5 with A < 0
     assert metrics["ratio/max"] == pytest.approx(1.5)
@@ -247,11 +249,11 @@ def test_ess_is_one_for_equal_weights_and_one_over_n_for_a_single_dominant_weigh
     logprobs = torch.zeros(4, 2, dtype=torch.float64)
     advantages = torch.ones(4, dtype=torch.float64)
     mask = torch.ones(4, 2, dtype=torch.bool)
-    equal = st.PolicyLoss("vespo")(logprobs, logprobs - 0.1, advantages, mask).metrics
+    equal = st.PolicyLoss("vespo")(logprobs, logprobs - 0.1, advantages, mask).metric_values()
     assert equal["ess"] == pytest.approx(1.0)
     old = torch.zeros(4, 2, dtype=torch.float64)
     old[0] = -15.0  # W_0 = e^30 dominates
-    dominated = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metrics
+    dominated = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metric_values()
     assert dominated["ess"] == pytest.approx(0.25, rel=1e-6)
     assert dominated["seq_log_weight/max"] == pytest.approx(30.0)
 
@@ -458,3 +460,92 @@ def test_float16_gradient_saturates_instead_of_overflowing():
     (grad,) = torch.autograd.grad(out.loss, logprobs)
     assert grad.dtype == torch.float16
     assert grad.item() == torch.finfo(torch.float16).max
+
+
+# --- invalid values: an error when values are checked, a non-finite loss when they are not -----------
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize(("method", "level"), method_level_pairs())
+def test_empty_batch_gives_zero_loss_and_zero_gradient(method, level, shape):
+    logprobs = torch.zeros(shape, dtype=torch.float64)
+    for aggregation in st.AGGREGATIONS:
+        loss_fn = st.PolicyLoss(method, level=level, aggregation=aggregation)
+        loss, grad, _ = loss_and_grad(
+            loss_fn, logprobs, logprobs, torch.zeros(shape[0], dtype=torch.float64), torch.ones(shape)
+        )
+        assert loss.item() == 0.0
+        assert grad.shape == shape
+        assert torch.all(grad == 0)
+
+
+@pytest.mark.parametrize("name", ["num_tokens", "num_sequences"])
+@pytest.mark.parametrize(
+    "value",
+    [-5, 0, 0.0, True, math.nan, math.inf, torch.tensor(-5.0), torch.tensor(math.nan), torch.tensor(True)],
+)
+def test_error_global_count_not_a_positive_finite_number(name, value):
+    logprobs, old, advantages, mask = good_inputs()
+    with pytest.raises(ValueError, match=name):
+        st.PolicyLoss("clip")(logprobs, old, advantages, mask, **{name: value})
+
+
+def test_fractional_global_count_is_accepted():
+    logprobs, old, advantages, mask = good_inputs()
+    loss_fn = st.PolicyLoss("reinforce", aggregation="token-sum")
+    plain = loss_fn(logprobs, old, advantages, mask).loss
+    mean = st.PolicyLoss("reinforce")(logprobs, old, advantages, mask, num_tokens=2.5).loss
+    assert mean.item() == pytest.approx(plain.item() / 2.5)
+
+
+BAD_VALUES = [math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES)
+@pytest.mark.parametrize("name", ["old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages"])
+def test_error_non_finite_value_at_an_active_position_when_values_are_checked(name, bad):
+    logprobs, old, advantages, mask = good_inputs()
+    inputs = {"old_logprobs": old, "rollout_logprobs": old, "ref_logprobs": old, "advantages": advantages}
+    inputs[name] = inputs[name].clone()
+    inputs[name].view(-1)[0] = bad  # row 0, token 0: active (random_batch keeps token 0 active)
+    loss_fn = st.PolicyLoss("vespo", correction=st.TIS(), kl=st.KL(0.1))
+    with pytest.raises(ValueError, match=rf"{name} must be finite at active"):
+        loss_fn(
+            logprobs,
+            inputs["old_logprobs"],
+            inputs["advantages"],
+            mask,
+            rollout_logprobs=inputs["rollout_logprobs"],
+            ref_logprobs=inputs["ref_logprobs"],
+        )
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES)
+@pytest.mark.parametrize("correction", [None, st.TIS(), st.MIS(level="token"), st.OPSM(0.1)], ids=repr)
+@pytest.mark.parametrize(("method", "level"), method_level_pairs())
+def test_unchecked_non_finite_recorded_logprob_gives_a_non_finite_loss(method, level, correction, bad):
+    """Never a silently finite number: an inf is not clamped to a ratio of e^±20, a NaN does not zero φ."""
+    if method == "reinforce" and correction is None:
+        pytest.skip("REINFORCE reads no recorded log-prob: its loss is right whatever they hold")
+    logprobs, old, advantages, mask = random_batch(seed=41)
+    loss_fn = st.PolicyLoss(method, level=level, correction=correction, check_values=False)
+    rollout = old.clone()
+    broken = rollout if correction is not None else old.clone()
+    broken[1, 0] = bad  # an active position
+    if correction is None:
+        out = loss_fn(logprobs, broken, advantages, mask)
+    else:
+        out = loss_fn(logprobs, old, advantages, mask, rollout_logprobs=rollout)
+    assert not torch.isfinite(out.loss)
+
+
+def test_unchecked_mask_is_read_as_nonzero():
+    logprobs, old, advantages, mask = good_inputs()
+    loss_fn = st.PolicyLoss("clip", check_values=False)
+    as_bool = loss_fn(logprobs, old, advantages, mask).loss
+    assert loss_fn(logprobs, old, advantages, mask.float() * 1.0).loss.item() == as_bool.item()
+
+
+def test_error_check_values_not_a_bool():
+    with pytest.raises(ValueError, match="check_values"):
+        st.PolicyLoss("clip", check_values="yes")

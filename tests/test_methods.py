@@ -267,8 +267,8 @@ def test_vespo_product_distinguishes_lengths_that_gspo_does_not():
     mask[0, :2] = True
     mask[1, :] = True
     advantages = torch.ones(2, dtype=torch.float64)
-    vespo = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metrics
-    gspo = st.PolicyLoss("gspo")(logprobs, old, advantages, mask).metrics
+    vespo = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metric_values()
+    gspo = st.PolicyLoss("gspo")(logprobs, old, advantages, mask).metric_values()
     assert vespo["ratio/min"] == pytest.approx(math.exp(0.2))
     assert vespo["ratio/max"] == pytest.approx(math.exp(0.6))
     assert gspo["ratio/min"] == pytest.approx(gspo["ratio/max"])
@@ -286,7 +286,7 @@ def test_vespo_sequence_mean_is_the_length_normalised_ablation():
     m = mask.double()
     out = st.PolicyLoss("vespo", level="sequence-mean")(logprobs, old, advantages, mask)
     mean_log_w = ((logprobs - old) * m).sum(-1) / m.sum(-1)
-    assert out.metrics["ratio/mean"] == pytest.approx(mean_log_w.exp().mean().item())
+    assert out.metric_values()["ratio/mean"] == pytest.approx(mean_log_w.exp().mean().item())
 
 
 # --- registry --------------------------------------------------------------------------------------

@@ -329,8 +329,10 @@ def check_against_direct_calls(trainer, fresh_policy_loss: st.PolicyLoss, steps:
             **expected_normalisers(fresh_policy_loss.aggregation, trainer.args.loss_type, inputs, mask),
         )
         torch.testing.assert_close(record["loss"], direct.loss, atol=1e-6, rtol=1e-6)
-        direct_ratio_means.append(direct.metrics["ratio/mean"])
-        drift = max(drift, -direct.metrics["seq_log_weight/min"], direct.metrics["seq_log_weight/max"])
+        direct_ratio_means.append(direct.metric_values()["ratio/mean"])
+        drift = max(
+            drift, -direct.metric_values()["seq_log_weight/min"], direct.metric_values()["seq_log_weight/max"]
+        )
     window_sums = torch.tensor(trainer.micro_losses).view(steps, GA).sum(-1)
     direct_sums = torch.stack([record["loss"] for record in trainer.captured]).view(steps, GA).sum(-1)
     torch.testing.assert_close(torch.tensor(logged(trainer, "loss")), window_sums, atol=1e-5, rtol=1e-5)

@@ -176,7 +176,7 @@ def test_vespo_phi_matches_trl_get_gamma_weights(seed, with_is_ratio):
     # seq-mean-token-sum: ∂L/∂logp_it = -φ_i·A_i·m_it / B, and every row's first token is active.
     st_phi = -(grad[:, 0] * B) / advantages
     torch.testing.assert_close(st_phi, trl_phi[:, 0], rtol=1e-9, atol=1e-12)
-    assert out.metrics["phi/mean"] == pytest.approx(trl_phi.mean().item(), rel=1e-6)
+    assert out.metric_values()["phi/mean"] == pytest.approx(trl_phi.mean().item(), rel=1e-6)
 
 
 def test_trl_cispo_default_cap_below_one_is_refused():

@@ -7,7 +7,6 @@ alone. Hyperparameter checks run at construction time (in ``__post_init__``).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -54,22 +53,68 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], meaning: 
         raise ValueError(f"{name} must have shape {meaning} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
-def as_float_mask(name: str, mask: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Return ``mask`` as a 0.0/1.0 tensor of ``dtype``; raise unless it is bool or holds only 0 and 1.
+def check_mask(name: str, mask: object, shape: tuple[int, ...]) -> torch.Tensor:
+    """Return ``mask`` as a bool tensor (True = active); raise unless it is a tensor of ``shape``.
 
-    A bool mask is converted through ``uint8``, which is many times faster than a
-    direct bool -> float conversion on CPU.
+    A non-bool mask is read as ``mask != 0``; that it holds only 0 and 1 is a value
+    check (:func:`check_mask_values`), run only when values are checked.
     """
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     check_shape(name, mask, shape, "(B, T)")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_mask_values(name: str, mask: torch.Tensor) -> None:
+    """Raise unless a non-bool ``mask`` holds only 0 and 1 (reads values: a device sync)."""
     if mask.dtype == torch.bool:
-        return mask.contiguous().view(torch.uint8).to(dtype)
-    values = mask.to(dtype)
-    if not torch.equal(values * values, values):  # v² = v exactly for 0 and 1 only (NaN ≠ NaN)
-        bad = mask[(mask != 0) & (mask != 1)].flatten()[0].item()
-        raise ValueError(f"{name} must be bool or contain only 0 and 1, got a value {bad!r}")
-    return values
+        return
+    bad = (mask != 0) & (mask != 1)  # NaN != 0 and != 1: caught too
+    if bad.any():
+        raise ValueError(f"{name} must be bool or contain only 0 and 1, got a value {mask[bad][0].item()!r}")
+
+
+def check_finite_where_active(name: str, x: torch.Tensor, active: torch.Tensor) -> None:
+    """Raise unless ``x`` is finite wherever ``active`` (broadcastable) is True (reads values: a sync)."""
+    bad = ~torch.isfinite(x) & active
+    if bad.any():
+        where = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"{name} must be finite at active (unmasked) positions, got {x[where].item()!r} at index {where}"
+        )
+
+
+def check_count(name: str, value: object, check_values: bool) -> None:
+    """Raise unless ``value`` is None, a finite number > 0, or a one-element float/int tensor.
+
+    A tensor's value is read only when ``check_values`` (a device sync). Booleans are
+    refused: ``True`` is not a count. A fractional count is fine (TRL scales its counts).
+    """
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(
+                f"{name} must be a positive number or a one-element numeric tensor, "
+                f"got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        if not check_values:
+            return
+        value = value.item()
+    check_number(name, value, low=0.0, low_inclusive=False)
+
+
+def values_are_checked(check_values: bool | None, device: torch.device) -> bool:
+    """Whether value checks run: as asked, else on the CPU only; never while compiling.
+
+    Value checks read tensor values on the host (a device sync). On the CPU that costs
+    a few microseconds; on an accelerator it would stall every call, so there they run
+    only on request (``check_values=True``). Inside ``torch.compile`` they cannot run
+    (a graph has no host reads); bad values then give a non-finite loss instead.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu" if check_values is None else check_values
 
 
 def as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -82,18 +127,3 @@ def as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the math runs in: float64 stays float64, every other float runs in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-@functools.lru_cache(maxsize=256)
-def constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached 0-dim tensor holding ``value``: building one per call costs more than the small
-    op that uses it, and a tensor operand is cheaper than a Python scalar (no wrapping per call)."""
-    return torch.tensor(value, dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=256)
-def constants(
-    values: tuple[float, ...], dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """:func:`constant` for several values with one cache lookup (a function's whole set of constants)."""
-    return tuple(constant(value, dtype, device) for value in values)

@@ -70,7 +70,7 @@ def aggregation_weights(
         return _reciprocal(num_active.clamp(min=1) * num_sequences)  # [B, 1]
     if mode == "seq-mean-token-sum":
         return _reciprocal(num_sequences)
-    length = mask.shape[-1] if max_completion_length is None else max_completion_length
+    length = max(mask.shape[-1] if max_completion_length is None else max_completion_length, 1)  # T = 0: no 0/0
     return _reciprocal(num_sequences * length)
 
 

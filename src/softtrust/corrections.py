@@ -26,7 +26,7 @@ import torch
 
 from softtrust._validation import check_choice, check_number
 from softtrust.methods import VESPO_LOG_W_FLOOR
-from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, masked_sequence_sum
+from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, clamped_log_ratio, masked_sequence_sum
 
 CORRECTION_LEVELS = ("token", "sequence")
 
@@ -34,16 +34,16 @@ CORRECTION_LEVELS = ("token", "sequence")
 def rollout_log_ratio(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
-    mask: torch.Tensor,
     level: str,
     clamp: float = DEFAULT_LOG_RATIO_CLAMP,
 ) -> torch.Tensor:
     """``log ρ``: [B, T] (token) or [B, 1] (sequence: Σ_t m·log ρ_t), clamped, detached.
 
-    Both inputs are 0 at masked positions (PolicyLoss zeroes them), so ``log ρ`` is 0 there.
+    Both inputs are 0 at masked positions (PolicyLoss zeroes them), so ``log ρ`` is 0
+    there; a non-finite sampler log-prob at an active position gives NaN (see
+    :func:`~softtrust.ratios.clamped_log_ratio`).
     """
-    del mask  # masked positions are already 0 - 0
-    log_rho = (old_logprobs - rollout_logprobs).clamp(-clamp, clamp).detach()  # [B, T]
+    log_rho = clamped_log_ratio(old_logprobs, rollout_logprobs, clamp).detach()  # [B, T]
     if level == "token":
         return log_rho
     return log_rho.sum(dim=-1, keepdim=True).clamp(-clamp, clamp)  # [B, 1]
@@ -107,8 +107,8 @@ class MIS(ImportanceCorrection):
 
     def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:
         rho = torch.exp(log_rho)
-        inside = (rho >= self.low) & (rho <= self.high)
-        return torch.where(inside, log_rho, float("-inf"))
+        outside = (rho < self.low) | (rho > self.high)  # False for NaN: a NaN weight stays NaN
+        return torch.where(outside, -math.inf, log_rho)
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class OPSM:
     def __post_init__(self) -> None:
         check_number("delta", self.delta, low=0.0)
 
-    def keep(
+    def weight(
         self,
         logprobs: torch.Tensor,
         sampler_logprobs: torch.Tensor,
@@ -140,10 +140,18 @@ class OPSM:
         mask: torch.Tensor,
         num_active: torch.Tensor,
     ) -> torch.Tensor:
-        """Bool, broadcastable to [B, T]: True where the sample is kept (``mask``: 0/1 float)."""
-        drift = masked_sequence_sum(sampler_logprobs - logprobs.detach(), mask)  # [B, 1]
+        """[B, 1] (or [B, T] with token advantages), detached: 0 where the sequence is dropped, else 1 (NaN where its drift is NaN).
+
+        Inputs are 0 at masked positions; ``mask`` is 0/1 float. A NaN drift (non-finite
+        input) keeps NaN, so the loss comes out non-finite instead of silently dropping
+        or keeping the sequence.
+        """
+        # a non-finite sampler log-prob at an active position is invalid input: NaN, not a drift of ±inf
+        token_drift = torch.where(torch.isfinite(sampler_logprobs), sampler_logprobs - logprobs.detach(), math.nan)
+        drift = masked_sequence_sum(token_drift, mask)  # [B, 1]
         mean_drift = drift / num_active.clamp(min=1)  # [B, 1]
-        return (advantages >= 0) | (mean_drift <= self.delta)
+        dropped = (advantages < 0) & (mean_drift > self.delta)  # [B, 1] or [B, T]
+        return torch.where(torch.isnan(mean_drift), math.nan, (~dropped).to(drift.dtype))
 
 
 Correction = ImportanceCorrection | OPSM

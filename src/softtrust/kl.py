@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from softtrust._validation import check_choice, check_number
-from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP
+from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, clamped_log_ratio
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -56,7 +56,9 @@ def kl_estimate(
 ) -> torch.Tensor:
     """Per-token KL estimate, [B, T] -> [B, T] (see the module docstring)."""
     check_choice("estimator", estimator, KL_ESTIMATORS)
-    log_ratio = (ref_logprobs - logprobs).clamp(-clamp, clamp)  # [B, T]; d = ref - logp
+    log_ratio = -clamped_log_ratio(
+        logprobs, ref_logprobs, clamp
+    )  # [B, T]; d = ref - logp (NaN for a bad ref)
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":

@@ -1,17 +1,21 @@
 """PolicyLoss: a method, a ratio level, a behaviour correction, an aggregation and a KL term.
 
-Data flows one way::
+Data flows one way, and :meth:`PolicyLoss.__call__` reads in that order::
 
-    log-probs -> token log-ratio -> level log-ratio (+ folded correction)
-              -> method: per-token loss -> × correction weight, × OPSM mask, + β·KL
-              -> aggregate -> scalar (+ metrics)
+    inputs -> checked, cast, zeroed at masked positions          (_validation)
+           -> token log-ratio -> level log-ratio                  (ratios)
+           -> behaviour correction: folded into the ratio or a weight on ℓ   (corrections)
+           -> method: per-token loss ℓ                            (methods)
+           -> × correction weight, + β·KL                          (kl)
+           -> aggregate -> scalar; metrics as tensors             (aggregation, metrics)
 
-Each step lives in its own module; this one only composes them and checks inputs.
+No step reads a tensor's value on the host or branches on one, so a call never waits
+for the device and ``torch.compile(loss_fn, fullgraph=True)`` works for every method
+(value checks of the inputs run on the CPU by default; see ``check_values``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -20,27 +24,38 @@ import torch
 
 from softtrust._validation import (
     as_float,
-    as_float_mask,
     check_choice,
+    check_count,
+    check_finite_where_active,
     check_float_tensor,
+    check_mask,
+    check_mask_values,
     check_number,
     check_shape,
     compute_dtype,
-    constant,
+    values_are_checked,
 )
-from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
+from softtrust.aggregation import AGGREGATIONS, aggregate
 from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
 from softtrust.kl import KL, kl_estimate
-from softtrust.methods import DetachedWeightMethod, Method, MethodInputs, make_method
-from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, LEVELS, level_log_ratio, token_log_ratio
+from softtrust.methods import LossContext, Method, make_method
+from softtrust.metrics import loss_metrics
+from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, LEVELS, clamped_log_ratio, level_log_ratio
 
 
 @dataclass
 class LossOutput:
-    """``loss``: scalar tensor, differentiable w.r.t. ``logprobs``. ``metrics``: plain floats."""
+    """``loss``: scalar tensor, differentiable w.r.t. ``logprobs``. ``metrics``: 0-dim tensors, detached."""
 
     loss: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def metric_values(self) -> dict[str, float]:
+        """The metrics as Python floats, read with one host transfer (call it when logging)."""
+        if not self.metrics:
+            return {}
+        numbers = torch.stack([value.float().reshape(()) for value in self.metrics.values()]).tolist()
+        return dict(zip(self.metrics, numbers, strict=True))
 
 
 class PolicyLoss:
@@ -53,8 +68,7 @@ class PolicyLoss:
         out.loss.backward()
 
     Args:
-        method: a :class:`~softtrust.methods.Method` instance or a registry name
-            (``clip``, ``gspo``, ``cispo``, ``sapo``, ``pspo``, ``vespo``, ``cfpo``, ``gmpo``, ``reinforce``).
+        method: a :class:`~softtrust.methods.Method` instance or a name in :data:`~softtrust.METHODS`.
         level: ``"token"``, ``"sequence-mean"`` or ``"sequence-sum"``; None takes
             the method's default (VESPO: sequence-sum, GSPO/GMPO: sequence-mean, others: token).
         correction: None, a :class:`TIS`/:class:`MIS`/:class:`OPSM`, or a sequence of
@@ -64,9 +78,12 @@ class PolicyLoss:
         log_ratio_clamp: bound on every log-ratio before ``exp`` (default 20).
         max_completion_length: ``T_max`` for ``seq-mean-token-sum-norm`` (default: the batch's T).
         compute_metrics: set False to skip the metrics (saves a few reductions).
-        fused: without a KL term, evaluate every method with a closed-form slope (all
-            but GMPO) in one fused pass with a one-multiply backward (same value and
-            gradient, fewer passes); False always takes the plain elementwise path.
+        check_values: check input values (mask is 0/1; old, rollout and reference log-probs
+            and advantages finite at active positions; counts > 0), raising ``ValueError``.
+            None (default): on CPU tensors only, where reading values costs microseconds;
+            on an accelerator it would wait for the device on every call. Never while
+            compiling. Unchecked, a non-finite recorded log-prob gives a non-finite loss.
+            Shape, dtype and name errors are always raised.
         **method_params: parameters for a method given by name (or overrides for an instance).
 
     Raises:
@@ -84,7 +101,7 @@ class PolicyLoss:
         log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP,
         max_completion_length: int | None = None,
         compute_metrics: bool = True,
-        fused: bool = True,
+        check_values: bool | None = None,
         **method_params: object,
     ) -> None:
         self.method = make_method(method, **method_params)
@@ -108,8 +125,10 @@ class PolicyLoss:
         if max_completion_length is not None:
             check_number("max_completion_length", max_completion_length, low=1)
         self.max_completion_length = max_completion_length
-        self.compute_metrics = compute_metrics
-        self.fused = fused
+        self.compute_metrics = bool(compute_metrics)
+        if check_values is not None and not isinstance(check_values, bool):
+            raise ValueError(f"check_values must be None, True or False, got {check_values!r}")
+        self.check_values = check_values
 
     def __repr__(self) -> str:
         return (
@@ -127,6 +146,9 @@ class PolicyLoss:
         ref_logprobs: torch.Tensor | None = None,
         num_tokens: float | torch.Tensor | None = None,
         num_sequences: float | torch.Tensor | None = None,
+        *,
+        state: dict[str, torch.Tensor] | None = None,
+        generator: torch.Generator | None = None,
     ) -> LossOutput:
         """Compute the loss.
 
@@ -137,218 +159,152 @@ class PolicyLoss:
             mask: [B, T] bool or 0/1: the completion tokens that count.
             rollout_logprobs: [B, T] log-probs from the sampler, for TIS/MIS (and OPSM).
             ref_logprobs: [B, T] reference-policy log-probs, for the KL term.
-            num_tokens: global active-token count (``token-mean`` over micro-batches/ranks).
-            num_sequences: global sequence count (``seq-mean-*`` over micro-batches/ranks).
+            num_tokens: global active-token count (``token-mean`` over micro-batches/ranks), > 0.
+            num_sequences: global sequence count (``seq-mean-*`` over micro-batches/ranks), > 0.
+            state: the method's batch-wide quantities from :meth:`batch_state` over the
+                global batch (methods that select over a batch); None computes them from this batch.
+            generator: random generator for methods that draw.
 
         Returns:
-            :class:`LossOutput`. The math runs in float32 (float64 stays float64).
+            :class:`LossOutput`. The math runs in float32 (float64 stays float64). An
+            empty batch (B = 0 or T = 0, or no active token) gives loss 0 and gradient 0.
         """
-        batch = self._check(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs)
-        normalisers = {"num_tokens": num_tokens, "num_sequences": num_sequences}
-        if self.fused and self.method.fusable and self.kl is None:
-            out = self._fused_loss(batch, normalisers)
-            if out is not None:
-                return out
-        if batch.num_active is None:
-            batch = batch._replace(num_active=batch.mask.sum(dim=-1, keepdim=True))
-        zero_masked = _mask_multiply if _all_finite(batch) else _mask_where
-        return self._reference_loss(_zero_masked_positions(batch, zero_masked), normalisers)
-
-    def _reference_loss(self, batch: _Batch, normalisers: dict) -> LossOutput:
-        """Every step as a plain elementwise tensor expression (the readable path; any method).
-
-        ``batch`` holds inputs already zeroed at masked positions.
-        """
-        method, clamp, mask, num_active = self.method, self.log_ratio_clamp, batch.mask, batch.num_active
-        tok_log_ratio = token_log_ratio(batch.logprobs, batch.old, mask, clamp)  # [B, T]
-        log_ratio = level_log_ratio(tok_log_ratio, mask, self.level, clamp, num_active)  # [B, T] or [B, 1]
-        log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
-
-        inputs = MethodInputs(
-            batch.logprobs, log_ratio, tok_log_ratio, batch.advantages, mask, num_active, self.compute_metrics
+        batch = self._inputs(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            rollout_logprobs,
+            ref_logprobs,
+            num_tokens,
+            num_sequences,
         )
-        per_token_loss, stats = method.loss(inputs)  # broadcastable to [B, T]
-        if is_log_weight is not None and not method.folds_correction:
-            per_token_loss = per_token_loss * torch.exp(is_log_weight)  # weight in [0, ∞), finite
-        keep = self._opsm_keep(batch)
-        if keep is not None:
-            per_token_loss = per_token_loss * as_float(keep, per_token_loss.dtype)
-            stats = {**stats, "opsm/dropped": ~keep}
+        ctx, loss_weight, stats = self._context(batch, generator)
+        if state is None:
+            with torch.no_grad():
+                state = self.method.batch_state(ctx)
+        per_token_loss, method_stats = self.method.loss(ctx._replace(state=state))  # broadcastable to [B, T]
+        if loss_weight is not None:  # IS weight (unless folded) × OPSM keep; detached
+            per_token_loss = per_token_loss * loss_weight
         per_token_kl = None
         if self.kl is not None:
-            per_token_kl = kl_estimate(batch.logprobs, batch.ref, self.kl.estimator, clamp)  # [B, T]
+            per_token_kl = kl_estimate(ctx.logprobs, batch.ref, self.kl.estimator, self.log_ratio_clamp)
             if self.kl.importance_corrected:
-                per_token_kl = per_token_kl * torch.exp(tok_log_ratio)
-            per_token_loss = per_token_loss + self.kl.coef * per_token_kl
-
+                per_token_kl = per_token_kl * torch.exp(ctx.token_log_ratio)
+            per_token_loss = per_token_loss + self.kl.coef * per_token_kl  # [B, T]
         loss = aggregate(
             per_token_loss,
-            mask,
+            ctx.mask,
             self.aggregation,
+            num_tokens=ctx.num_tokens,
+            num_sequences=ctx.num_sequences,
             max_completion_length=self.max_completion_length,
-            num_active=num_active,
-            **normalisers,
+            num_active=ctx.num_active,
         )
-        seq_log_weight = tok_log_ratio.detach().sum(dim=-1, keepdim=True) if self.compute_metrics else None
-        metrics = self._metrics(log_ratio, seq_log_weight, is_log_weight, per_token_kl, stats, batch)
-        return LossOutput(loss, metrics)
-
-    def _fused_loss(self, batch: _Batch, normalisers: dict) -> LossOutput | None:
-        """Methods with a closed-form slope, evaluated without autograd through the method.
-
-        The loss is ``L = Σ_t q_t·ℓ_t`` with the detached per-token factor
-        ``q = m·(aggregation weight)·(IS weight)·(OPSM keep)``. Everything is computed
-        without recording a graph; one final contraction carries the gradient:
-
-        * REINFORCE-style methods (``ℓ = -sg(w)·A·logp``): ``L = Σ_t c_t·logp_t`` with
-          ``c = -q·w·A``: forward one contraction, backward one multiply.
-        * Methods with a :meth:`~softtrust.methods.Method.surrogate` (Clip, GSPO,
-          SAPO, PSPO, CFPO): the method gives ``ℓ`` and its slope ``ℓ' = ∂ℓ/∂log r``;
-          ``∂L/∂logp_t = q_t·ℓ'_t`` at token level and ``m_t/n_i·Σ_s q_s·ℓ'_s`` at
-          sequence-mean level (times 0 where the token log-ratio is clamped, as
-          ``clamp`` does). ``L = value + (d - sg(d))`` with ``d = Σ_t logp_t·g_t``: the
-          value is exact and the backward is one multiply.
-
-        Inputs are used raw (not zeroed at masked positions), which is exact when they
-        are finite everywhere. The extremes of ``logp - old`` (non-finite as soon as
-        either holds an inf or NaN anywhere) and a sum of the other dense inputs check
-        that; if not, this returns None and the call takes the reference path, which
-        zeroes masked entries with ``where``. Equal to :meth:`_reference_loss` in value
-        and gradient (tests check it for every method, level, aggregation and correction).
-        """
-        method, clamp, mask, num_active = self.method, self.log_ratio_clamp, batch.mask, batch.num_active
-        # Every tensor until the final contraction is detached: no autograd graph is recorded.
-        tok_log_ratio = batch.logprobs.detach() - batch.old  # [B, T], unmasked
-        lowest, highest = tok_log_ratio.aminmax()  # one pass: finiteness and whether the clamp acts
-        lowest, highest = lowest.item(), highest.item()
-        others = [x for x in (batch.rollout, batch.advantages) if x is not None and x.shape[-1] != 1]
-        if not (math.isfinite(lowest) and math.isfinite(highest) and _finite_sums(others)):
-            return None
-        unclamped = None  # [B, T] 0/1: where the clamp passes the gradient (None: everywhere)
-        if lowest < -clamp or highest > clamp:
-            if not isinstance(method, DetachedWeightMethod):
-                unclamped = as_float(tok_log_ratio.abs() <= clamp, mask.dtype)
-            tok_log_ratio = tok_log_ratio.clamp_(-clamp, clamp)
-        seq_log_weight = None
-        if self.level == "token":
-            log_ratio = tok_log_ratio
-        else:  # from here on only Σ_t m·log r_t is needed: mask the buffer in place, reuse it below
-            seq_log_weight = tok_log_ratio.mul_(mask).sum(dim=-1, keepdim=True)  # [B, 1]: Σ_t m·log r_t
-            if self.level == "sequence-sum":
-                # |Σ_t m·log r_t| <= T·max_t |log r_t|: when that bound is inside the clamp, skip it
-                inside = mask.shape[-1] * max(-lowest, highest) <= 0.99 * clamp
-                log_ratio = seq_log_weight if inside else seq_log_weight.clamp(-clamp, clamp)
-            else:
-                log_ratio = seq_log_weight / num_active.clamp(min=1)
-        spare = None if self.level == "token" else tok_log_ratio  # a free [B, T] buffer
-        log_ratio, is_log_weight = self._apply_folded_correction(batch, log_ratio)
-        if self.aggregation == "token-mean" and normalisers["num_tokens"] is None and mask.is_cpu:
-            # this path reads host values anyway: the count as a number saves its clamp and reciprocal
-            count = mask.sum() if num_active is None else num_active.sum()
-            normalisers = {**normalisers, "num_tokens": count.item()}
-        factor = aggregation_weights(
-            mask,
-            self.aggregation,
-            max_completion_length=self.max_completion_length,
-            num_active=num_active,
-            **normalisers,
-        )  # a number, [B, 1] or a 0-dim tensor
-        if is_log_weight is not None and not method.folds_correction:
-            factor = torch.exp(is_log_weight) * factor  # [B, T] or [B, 1]
-        keep = self._opsm_keep(batch)
-        if keep is not None:
-            factor = as_float(keep, mask.dtype) * factor
-        if isinstance(method, DetachedWeightMethod):
-            weight, stats = method.weight(log_ratio, batch.advantages, self.compute_metrics)
-            if isinstance(factor, float):  # c = -w·A·factor in one op (a Python-scalar multiply costs two)
-                zero = constant(0.0, weight.dtype, weight.device)
-                coefficient = torch.addcmul(zero, weight, batch.advantages, value=-factor)
-            else:
-                coefficient = (weight * batch.advantages * factor).neg_()
-            # coefficient: [B, 1] (or [B, T]), a fresh tensor
-            # not addcmul(0, m, c, value=-1): a broadcast 0-dim input makes it ~4× slower than mul at 64×4096
-            grad = torch.mul(mask, coefficient, out=spare)  # [B, T]: ∂L/∂logp = m·c
-            loss = _with_gradient(batch.logprobs, grad)
-        else:
-            value, slope, stats = method.surrogate(log_ratio, batch.advantages, self.compute_metrics)
-            q = mask * factor  # [B, T]
-            if self.level == "token":
-                grad = q * slope  # [B, T]
-            else:  # sequence-mean: ∂ log s_i / ∂ logp_t = m_t / n_i
-                row = (
-                    (q * slope).sum(dim=-1, keepdim=True) if slope.shape[-1] != 1 else q.sum(-1, True) * slope
-                )
-                grad = (row / num_active.clamp(min=1)) * mask  # [B, T]
-            if unclamped is not None:
-                grad = grad * unclamped
-            loss = _with_gradient(batch.logprobs, grad, value=(q * value).sum())
-        if keep is not None:
-            stats = {**stats, "opsm/dropped": ~keep}
         metrics = {}
         if self.compute_metrics:
-            if seq_log_weight is None:
-                seq_log_weight = (tok_log_ratio * mask).sum(dim=-1, keepdim=True)
-            metrics = self._metrics(log_ratio, seq_log_weight, is_log_weight, None, stats, batch)
+            metrics = loss_metrics(
+                ctx.log_ratio,
+                ctx.token_log_ratio,
+                batch.is_log_weight,
+                per_token_kl,
+                {**method_stats, **stats},
+                ctx.mask,
+                ctx.num_active,
+            )
         return LossOutput(loss, metrics)
 
-    def _apply_folded_correction(self, batch: _Batch, log_ratio: torch.Tensor):
-        """The IS correction's log-weight, folded into ``log_ratio`` for methods that fold it (VESPO)."""
-        correction = self.is_correction
-        if correction is None:
-            return log_ratio, None
-        old, rollout = batch.old, batch.rollout
-        if (
-            not batch.zeroed
-        ):  # the fused path keeps raw inputs; the log-weight wants zeros at masked positions
-            old, rollout = old * batch.mask, rollout * batch.mask
-        log_rho = rollout_log_ratio(old, rollout, batch.mask, correction.level, self.log_ratio_clamp)
-        is_log_weight = correction.log_weight(log_rho)  # [B, T] or [B, 1], detached
-        if self.method.folds_correction:
-            log_ratio = fold_log_weight(
-                log_ratio, is_log_weight, correction.level, batch.mask, self.level, batch.num_active
+    def batch_state(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        rollout_logprobs: torch.Tensor | None = None,
+        num_tokens: float | torch.Tensor | None = None,
+        num_sequences: float | torch.Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The method's batch-wide quantities (:meth:`~softtrust.methods.Method.batch_state`), detached.
+
+        Call it once on the whole (global) batch, then pass ``state=`` to each
+        micro-batch call: the micro-batch losses then add up to the whole-batch loss
+        for methods that select over a batch. Empty for methods that need nothing.
+        """
+        with torch.no_grad():
+            batch = self._inputs(
+                logprobs, old_logprobs, advantages, mask, rollout_logprobs, None, num_tokens, num_sequences
             )
-        return log_ratio, is_log_weight
+            return self.method.batch_state(self._context(batch, generator)[0])
 
-    def _opsm_keep(self, batch: _Batch) -> torch.Tensor | None:
-        if self.opsm is None:
-            return None
-        sampler = batch.old if batch.rollout is None else batch.rollout
-        return self.opsm.keep(batch.logprobs, sampler, batch.advantages, batch.mask, batch.num_active)
+    def _context(self, batch: _Batch, generator: torch.Generator | None):
+        """Ratios at the level, the behaviour correction, and the method's context.
 
-    def _metrics(
-        self, log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, batch
-    ) -> dict[str, float]:
-        if not self.compute_metrics:
-            return {}
-        return _metrics(
-            log_ratio, tok_log_ratio, is_log_weight, per_token_kl, stats, batch.mask, batch.num_active
+        Returns ``(ctx, loss_weight, stats)``: ``loss_weight`` multiplies the per-token
+        loss (an IS weight the method does not fold, times the OPSM keep), or None.
+        """
+        clamp, mask = self.log_ratio_clamp, batch.mask
+        token_log_ratio = clamped_log_ratio(batch.logprobs, batch.old, clamp)  # [B, T]
+        log_ratio = level_log_ratio(token_log_ratio, self.level, batch.num_active, clamp)  # [B, T] or [B, 1]
+        loss_weight, stats = None, {}
+        if batch.is_log_weight is not None:
+            if self.method.folds_correction:
+                level = self.is_correction.level
+                log_ratio = fold_log_weight(
+                    log_ratio, batch.is_log_weight, level, mask, self.level, batch.num_active
+                )
+            else:
+                loss_weight = torch.exp(batch.is_log_weight)  # [B, T] or [B, 1], in [0, ∞)
+        if self.opsm is not None:
+            sampler = batch.old if batch.rollout is None else batch.rollout
+            keep = self.opsm.weight(batch.logprobs, sampler, batch.advantages, mask, batch.num_active)
+            loss_weight = keep if loss_weight is None else loss_weight * keep
+            stats["opsm/dropped"] = keep == 0
+        ctx = LossContext(
+            logprobs=batch.logprobs,
+            old_logprobs=batch.old,
+            log_ratio=log_ratio,
+            token_log_ratio=token_log_ratio,
+            advantages=batch.advantages,
+            mask=mask,
+            num_active=batch.num_active,
+            num_tokens=batch.num_tokens,
+            num_sequences=batch.num_sequences,
+            level=self.level,
+            state={},
+            generator=generator,
+            with_stats=self.compute_metrics,
         )
+        return ctx, loss_weight, stats
 
-    def _only_token_count(self) -> bool:
-        """True when the fused path needs no per-row token count, only the batch's total (one sum fewer)."""
-        return (
-            self.aggregation == "token-mean"
-            and self.level != "sequence-mean"
-            and not self.corrections
-            and not self.compute_metrics
-        )
+    def _inputs(
+        self,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        rollout_logprobs,
+        ref_logprobs,
+        num_tokens,
+        num_sequences,
+    ) -> _Batch:
+        """Check every input, cast it to the compute dtype and zero it at masked positions.
 
-    def _check(self, logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs) -> _Batch:
-        """Check every input and cast it to the compute dtype (float32, or float64 for float64 input)."""
+        Zeroing uses ``torch.where`` (``x * m`` would give ``0 * inf = NaN``), so a masked
+        inf or NaN never reaches a value or a gradient.
+        """
         check_float_tensor("logprobs", logprobs)
         if logprobs.dim() != 2:
             raise ValueError(f"logprobs must have shape (B, T), got {tuple(logprobs.shape)}")
-        shape = tuple(logprobs.shape)
-        dtype = compute_dtype(logprobs)
-        mask = as_float_mask("mask", mask, shape, dtype)
-        if old_logprobs is None:
-            old_logprobs = logprobs.detach()
-        named = {
-            "old_logprobs": old_logprobs,
+        shape, dtype = tuple(logprobs.shape), compute_dtype(logprobs)
+        active = check_mask("mask", mask, shape)  # [B, T] bool
+        recorded = {
+            "old_logprobs": logprobs.detach() if old_logprobs is None else old_logprobs,
             "rollout_logprobs": rollout_logprobs,
             "ref_logprobs": ref_logprobs,
         }
-        for name, tensor in named.items():
+        for name, tensor in recorded.items():
             if tensor is not None:
                 check_float_tensor(name, tensor)
                 check_shape(name, tensor, shape, "(B, T) like logprobs")
@@ -360,94 +316,66 @@ class PolicyLoss:
             raise ValueError(
                 f"kl={self.kl!r} needs ref_logprobs (the reference policy's log-probs), got None"
             )
-        advantages = _detached(_check_advantages(advantages, shape), dtype)
+        _check_advantages(advantages, shape)
+        check_values = values_are_checked(self.check_values, logprobs.device)
+        check_count("num_tokens", num_tokens, check_values)
+        check_count("num_sequences", num_sequences, check_values)
+        mask_f = as_float(active, dtype)  # [B, T]
+        num_active = mask_f.sum(dim=-1, keepdim=True)  # [B, 1]
         if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(-1)  # [B, 1]
-        old, rollout, ref = (_detached(x, dtype) if x is not None else None for x in named.values())
+            advantages, active_advantages = advantages.unsqueeze(-1), num_active > 0  # [B, 1]
+        else:
+            active_advantages = active
+        if check_values:
+            check_mask_values("mask", mask)
+            for name, tensor in recorded.items():
+                if tensor is not None:
+                    check_finite_where_active(name, tensor, active)
+            check_finite_where_active("advantages", advantages, active_advantages)
+
+        def zeroed(x: torch.Tensor | None, where: torch.Tensor = active) -> torch.Tensor | None:
+            return None if x is None else torch.where(where, x.detach().to(dtype), 0)
+
+        old, rollout = zeroed(recorded["old_logprobs"]), zeroed(rollout_logprobs)
+        is_log_weight = None
+        if self.is_correction is not None:
+            log_rho = rollout_log_ratio(old, rollout, self.is_correction.level, self.log_ratio_clamp)
+            is_log_weight = self.is_correction.log_weight(log_rho)  # [B, T] or [B, 1], detached
         return _Batch(
-            logprobs=_upcast_saturating_grad(logprobs, dtype),
+            logprobs=torch.where(active, _upcast_saturating_grad(logprobs, dtype), 0),
             old=old,
-            advantages=advantages,
-            mask=mask,
+            advantages=zeroed(advantages, active_advantages),
+            mask=mask_f,
             rollout=rollout,
-            ref=ref,
-            num_active=None if self._only_token_count() else mask.sum(dim=-1, keepdim=True),
-            zeroed=False,
+            ref=zeroed(ref_logprobs),
+            is_log_weight=is_log_weight,
+            num_active=num_active,
+            num_tokens=_count(num_tokens, num_active.sum(), mask_f),
+            num_sequences=_count(num_sequences, shape[0], mask_f),
         )
 
 
 class _Batch(NamedTuple):
-    """Checked inputs in the compute dtype; ``zeroed``: every masked entry replaced by exactly 0."""
+    """Checked inputs in the compute dtype, every masked entry exactly 0."""
 
-    logprobs: torch.Tensor  # [B, T] compute dtype, differentiable
+    logprobs: torch.Tensor  # [B, T] differentiable
     old: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B, 1] or [B, T]
     mask: torch.Tensor  # [B, T] 0/1 float
     rollout: torch.Tensor | None  # [B, T]
     ref: torch.Tensor | None  # [B, T]
-    num_active: torch.Tensor | None  # [B, 1] Σ_t m_t; None when only the total is needed (fused path)
-    zeroed: bool
+    is_log_weight: torch.Tensor | None  # [B, T] or [B, 1]: the IS correction's log-weight
+    num_active: torch.Tensor  # [B, 1]
+    num_tokens: torch.Tensor  # 0-dim, >= 1
+    num_sequences: torch.Tensor  # 0-dim, >= 1
 
 
-def _zero_masked_positions(batch: _Batch, zero_masked) -> _Batch:
-    """Replace every masked entry by exactly 0; after this every value computed at a masked position is finite."""
-    clean = [
-        zero_masked(x, batch.mask) if x is not None else None
-        for x in (batch.logprobs, batch.old, batch.rollout, batch.ref)
-    ]
-    advantages = batch.advantages
-    if (
-        advantages.shape == batch.mask.shape
-    ):  # per-token advantages (harmless for per-sequence ones when T = 1)
-        advantages = zero_masked(advantages, batch.mask)
-    logprobs, old, rollout, ref = clean
-    return batch._replace(
-        logprobs=logprobs, old=old, rollout=rollout, ref=ref, advantages=advantages, zeroed=True
-    )
-
-
-def _with_gradient(
-    logprobs: torch.Tensor, grad: torch.Tensor, value: torch.Tensor | None = None
+def _count(
+    given: float | torch.Tensor | None, default: float | torch.Tensor, like: torch.Tensor
 ) -> torch.Tensor:
-    """A scalar whose gradient w.r.t. ``logprobs`` is ``grad`` (detached, [B, T]).
-
-    ``d = Σ logp·g`` is one contraction whose backward is one multiply. With no
-    ``value`` the result is ``d`` itself (a loss linear in ``logp``); otherwise it is
-    ``value + (d - sg(d))``, exactly ``value`` in the forward (``d - d = 0``).
-    Measured on CPU: faster than ``(logp * g).sum()``, than a masked row sum
-    followed by a dot, and than a custom ``autograd.Function`` (Python backward).
-    """
-    contraction = torch.dot(logprobs.reshape(-1), grad.reshape(-1))
-    if value is None:
-        return contraction
-    return value + (contraction - contraction.detach())
-
-
-def _all_finite(batch: _Batch) -> bool:
-    """True when no input holds an inf or NaN anywhere (one sum per tensor, one sync; always False off CPU).
-
-    A sum is non-finite as soon as one term is (a rare overflow of finite terms only
-    costs the slower exact path). On accelerators ``torch.where`` is as fast as a
-    multiply, so the check and its sync are skipped there.
-    """
-    if batch.logprobs.device.type != "cpu":
-        return False
-    return _finite_sums([batch.logprobs, batch.old, batch.advantages, batch.rollout, batch.ref])
-
-
-def _finite_sums(tensors: list[torch.Tensor | None]) -> bool:
-    """True when every given tensor's sum is finite (so no entry is inf or NaN)."""
-    return all(math.isfinite(x.detach().sum().item()) for x in tensors if x is not None)
-
-
-def _mask_multiply(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x * m``: exact for finite ``x`` (several times faster than ``where`` with a bool mask on CPU)."""
-    return x * mask
-
-
-def _mask_where(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``where(m, x, 0)``: masked inf/NaN become 0 (``x * m`` would give ``0 * inf = NaN``)."""
-    return torch.where(mask != 0, x, 0)
+    """A global count as a 0-dim tensor of at least 1 (an empty batch gives loss 0, not 0/0)."""
+    count = default if given is None else given
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).reshape(()).clamp(min=1)
 
 
 class _UpcastSaturatingGrad(torch.autograd.Function):
@@ -467,13 +395,6 @@ class _UpcastSaturatingGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         largest = torch.finfo(ctx.input_dtype).max
         return grad.clamp(-largest, largest).to(ctx.input_dtype), None
-
-
-def _detached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.detach().to(dtype)``, skipping the calls that would change nothing (they cost µs per call)."""
-    if x.requires_grad:
-        x = x.detach()
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -512,53 +433,3 @@ def _check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tenso
             f"advantages must have shape (B,) = ({shape[0]},) or (B, T) = {shape}, got {tuple(advantages.shape)}"
         )
     return advantages
-
-
-@torch.no_grad()
-def _metrics(
-    log_ratio, seq_log_weight, is_log_weight, per_token_kl, stats, mask, num_active
-) -> dict[str, float]:
-    """Ratio, weight, clip and KL statistics over active tokens (or active sequences).
-
-    A [B, 1] statistic counts once per sequence with at least one active token; a
-    [B, T] one once per active token. Statistics of an empty set are NaN. Values
-    at masked positions are finite (any path guarantees it before computing metrics),
-    so they can be pushed out of min/max by adding a large offset.
-    """
-    active_rows = (num_active > 0).to(mask.dtype)  # [B, 1]
-    far = 1e30  # every statistic here is far below it
-    offsets = {1: (1 - active_rows) * far}  # [B, 1]; the [B, T] one is built on first use
-    values: dict[str, torch.Tensor] = {}
-
-    def describe(name: str, x: torch.Tensor, with_extremes: bool = True) -> None:
-        per_row = x.shape[-1] == 1
-        weight = active_rows if per_row else mask  # [B, 1] or [B, T]
-        x = as_float(x, mask.dtype)
-        count = torch.broadcast_tensors(x, weight)[1].sum()
-        values[f"{name}/mean" if with_extremes else name] = (x * weight).sum() / count
-        if with_extremes:
-            if not per_row and "token" not in offsets:
-                offsets["token"] = (1 - mask) * far
-            offset = offsets[1 if per_row else "token"]
-            values[f"{name}/min"] = (x + offset).amin() if count else x.new_tensor(math.nan)
-            values[f"{name}/max"] = (x - offset).amax() if count else x.new_tensor(math.nan)
-
-    describe("ratio", torch.exp(log_ratio))
-    describe("seq_log_weight", seq_log_weight)
-    # Normalised effective sample size of W_i = exp(log W_i) over active sequences, in log space:
-    # ESS/n = (Σ W)² / (n·Σ W²) = exp(2·LSE(log W) - LSE(2·log W) - log n).
-    log_w = seq_log_weight[num_active > 0]
-    if log_w.numel():
-        ess = torch.exp(
-            2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0) - math.log(log_w.numel())
-        )
-        values["ess"] = ess
-    for name, x in stats.items():
-        describe(name, x, with_extremes=x.dtype != torch.bool)
-    if is_log_weight is not None:
-        describe("is_weight", torch.exp(is_log_weight))
-    if per_token_kl is not None:
-        describe("kl", per_token_kl.detach(), with_extremes=False)
-    names = list(values)
-    numbers = torch.stack([v.float().reshape(()) for v in values.values()]).tolist()
-    return dict(zip(names, numbers, strict=True))

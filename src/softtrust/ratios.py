@@ -18,14 +18,19 @@ Every log-ratio is clamped to ``[-clamp, clamp]`` before any ``exp`` (default 20
 has already saturated, and the clamp keeps ``exp`` finite in float32. Inside the
 clamp the gradient is exact; outside it is zero.
 
-Masks here are float tensors of 0.0/1.0 (``PolicyLoss`` converts bool masks once).
-Multiplying by them is safe because :class:`~softtrust.PolicyLoss` has already
-replaced every masked input entry by exactly 0, so every value computed at a masked
-position is finite (``0 * inf`` cannot occur); a float multiply is also several
-times faster than ``torch.where`` with a bool condition on CPU.
+Inputs here are already zero at masked positions (:class:`~softtrust.PolicyLoss`
+selects them with ``torch.where``, so a masked inf or NaN never reaches a value).
+
+A recorded log-prob that is not finite at an active position (a NaN or inf in
+``old_logprobs`` or ``rollout_logprobs``) is invalid input. Clamping it would turn it
+into a finite, wrong ratio of e^±20, so :func:`clamped_log_ratio` makes that log-ratio
+NaN instead: the loss comes out non-finite and the trainer's guard skips the step.
+(With value checks on, :class:`~softtrust.PolicyLoss` raises a ``ValueError`` first.)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -40,43 +45,38 @@ def masked_sequence_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(dim=-1, keepdim=True)  # [B, 1]
 
 
-def token_log_ratio(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    clamp: float = DEFAULT_LOG_RATIO_CLAMP,
+def clamped_log_ratio(
+    logprobs: torch.Tensor, recorded: torch.Tensor, clamp: float = DEFAULT_LOG_RATIO_CLAMP
 ) -> torch.Tensor:
-    """``clamp(logp - old, -c, c)``: the clamped token log-ratio.
+    """``clamp(logprobs - recorded, -c, c)``, and NaN where ``recorded`` is not finite.
 
     Args:
-        logprobs: [B, T] current-policy log-probs (differentiable), 0 at masked positions.
-        old_logprobs: [B, T] behaviour log-probs, 0 at masked positions.
-        mask: [B, T] 0/1 float completion mask (unused: zeroed inputs give 0 there already).
+        logprobs: [B, T] log-probs (differentiable or not), 0 at masked positions.
+        recorded: [B, T] recorded log-probs (behaviour, sampler or reference), 0 at masked positions.
         clamp: the bound ``c`` applied before any ``exp``.
 
     Returns:
-        [B, T] clamped log-ratio, exactly 0 at masked positions (both inputs are 0
-        there), so masked positions never reach a sum and get zero gradient.
+        [B, T]. Exactly 0 at masked positions. Inside the clamp the gradient is exact,
+        outside it is 0. A non-finite ``logprobs`` entry passes through the clamp as
+        usual (-inf becomes -c: the current policy gives the token no mass); a
+        non-finite ``recorded`` one gives NaN (see the module docstring).
     """
-    del mask  # masked positions are already 0 - 0
-    return (logprobs - old_logprobs).clamp(-clamp, clamp)  # [B, T]
+    return torch.where(torch.isfinite(recorded), (logprobs - recorded).clamp(-clamp, clamp), math.nan)
 
 
 def level_log_ratio(
     token_log_ratio: torch.Tensor,
-    mask: torch.Tensor,
     level: str,
+    num_active: torch.Tensor,
     clamp: float = DEFAULT_LOG_RATIO_CLAMP,
-    num_active: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The log-ratio at ``level`` from the (clamped, masked) token log-ratio.
+    """The log-ratio at ``level`` from the clamped token log-ratio (0 at masked positions).
 
     Args:
-        token_log_ratio: [B, T] from :func:`token_log_ratio` (0 at masked positions).
-        mask: [B, T] 0/1 float mask.
+        token_log_ratio: [B, T] from :func:`clamped_log_ratio`.
         level: ``"token"``, ``"sequence-mean"`` or ``"sequence-sum"``.
+        num_active: [B, 1] count of active tokens per row.
         clamp: bound applied to the sequence sum, so ``exp(log W)`` stays finite.
-        num_active: optional [B, 1] count of active tokens per row (saves a pass).
 
     Returns:
         [B, T] for ``token``; [B, 1] for the sequence levels. A row with no active
@@ -88,15 +88,4 @@ def level_log_ratio(
     total = token_log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]
     if level == "sequence-sum":
         return total.clamp(-clamp, clamp)  # [B, 1]; a product of T ratios can overflow exp
-    if num_active is None:
-        num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
     return total / num_active.clamp(min=1)  # [B, 1]; clamp(min=1): empty rows give 0, not NaN
-
-
-def sequence_log_weight(token_log_ratio: torch.Tensor) -> torch.Tensor:
-    """``log W_i = Σ_t m·log r_t`` (the log of the product of token ratios), [B, T] -> [B, 1].
-
-    Unclamped at the sequence level: used for diagnostics (staleness shows up here
-    first) and for the effective sample size.
-    """
-    return token_log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]

@@ -300,7 +300,7 @@ class SoftTrustGRPOTrainer(trl.GRPOTrainer):
         self, mode: str, out: LossOutput, entropies: torch.Tensor, mask: torch.Tensor
     ) -> None:
         """PolicyLoss metrics under ``softtrust/`` (reduced over ranks) and TRL's masked-mean ``entropy``."""
-        per_rank = [out.metrics]
+        per_rank = [out.metric_values()]
         if self.accelerator.num_processes > 1:  # objects: key sets may differ between ranks
             per_rank = gather_object(per_rank)
         for name, value in reduce_over_ranks(per_rank).items():

@@ -242,7 +242,7 @@ def policy_update(
         **normalisers,
     )
     optimizer.zero_grad(set_to_none=True)
-    metrics = {f"loss/{name}": value for name, value in out.metrics.items()}
+    metrics = {f"loss/{name}": value for name, value in out.metric_values().items()}
     metrics = world.reduce_metrics(metrics, weight=float(mask.sum()))
     metrics["loss"] = world.sum(out.loss.detach())
     metrics["kl_behaviour"] = behaviour_kl(logprobs.detach(), minibatch.old_logprobs.to(device), mask, world)

@@ -1,0 +1,44 @@
+"""Trust-region and importance-weight shaping methods: one small frozen dataclass each.
+
+| module | what | methods |
+| --- | --- | --- |
+| :mod:`~softtrust.methods.base` | the interface: :class:`LossContext`, :class:`Method`, the registry | |
+| :mod:`~softtrust.methods.trust_region` | the ratio is in the graph, bounded or damped | Clip, GSPO, SAPO, PSPO, CFPO, GMPO |
+| :mod:`~softtrust.methods.reweighting` | REINFORCE with a detached weight | CISPO, VESPO, REINFORCE |
+
+Adding a method: see ``docs/adding_a_method.md``. Importing this package registers
+every method in :data:`METHODS`, the one list of names the CLI, the config, the
+adapters and the tests read.
+"""
+
+from softtrust.methods.base import (
+    METHODS,
+    DetachedWeightMethod,
+    LossContext,
+    Method,
+    MethodOutput,
+    make_method,
+    register_method,
+)
+from softtrust.methods.reweighting import CISPO, REINFORCE, VESPO, VESPO_LOG_W_FLOOR
+from softtrust.methods.trust_region import CFPO, GMPO, GSPO, PSPO, SAPO, Clip
+
+__all__ = [
+    "CFPO",
+    "CISPO",
+    "GMPO",
+    "GSPO",
+    "METHODS",
+    "PSPO",
+    "REINFORCE",
+    "SAPO",
+    "VESPO",
+    "VESPO_LOG_W_FLOOR",
+    "Clip",
+    "DetachedWeightMethod",
+    "LossContext",
+    "Method",
+    "MethodOutput",
+    "make_method",
+    "register_method",
+]

@@ -1,0 +1,99 @@
+"""The expected formula of every registered method, written from METHODS.md independently of softtrust.
+
+One entry per name in ``st.METHODS`` (``test_every_registered_method_has_an_expected_formula``
+fails for a method without one). An entry maps an :class:`Inputs` (dense float64 tensors
+of one batch, the method instance) to the per-token loss ℓ, broadcastable to [B, T];
+``ratio`` is at the loss's level and differentiable, and ``sg`` (detach) marks the
+weights that carry no gradient. Adding a method: add its formula here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class Inputs(NamedTuple):
+    method: object  # the method instance (its parameters)
+    ratio: torch.Tensor  # [B, T] or [B, 1]: r at the level, differentiable
+    token_log_ratio: torch.Tensor  # [B, T] clamped logp - old, 0 where masked
+    logprobs: torch.Tensor  # [B, T] log π_θ, 0 where masked
+    advantages: torch.Tensor  # [B, 1]
+    mask: torch.Tensor  # [B, T] 0/1 float
+
+
+def sg(x: torch.Tensor) -> torch.Tensor:
+    return x.detach()
+
+
+def clip(x: Inputs) -> torch.Tensor:
+    m, r, a = x.method, x.ratio, x.advantages
+    return -torch.minimum(r * a, r.clamp(1 - m.eps_low, 1 + m.eps_high) * a)
+
+
+def sapo(x: Inputs) -> torch.Tensor:
+    tau = torch.where(
+        x.advantages > 0, torch.tensor(x.method.tau_pos), torch.tensor(x.method.tau_neg)
+    ).double()
+    return -(4 / tau) * torch.sigmoid(tau * (x.ratio - 1)) * x.advantages
+
+
+def vespo(x: Inputs) -> torch.Tensor:
+    m, a = x.method, x.advantages
+    w = torch.exp(torch.clamp(torch.log(sg(x.ratio)), min=math.log(1e-8)))
+    k = torch.where(a >= 0, m.k_pos, m.k_neg)
+    lam = torch.where(a >= 0, m.lambda_pos, m.lambda_neg)
+    return -(w**k * torch.exp(lam * (1 - w))) * a * x.logprobs
+
+
+def gmpo(x: Inputs) -> torch.Tensor:
+    eps, a, lr = x.method.eps, x.advantages, x.token_log_ratio
+    s = torch.sign(a)
+    per_token = s * torch.minimum(s * lr, s * lr.clamp(-eps, eps))
+    return -a * torch.exp(
+        (per_token * x.mask).sum(-1, keepdim=True) / x.mask.sum(-1, keepdim=True).clamp(min=1)
+    )
+
+
+EXPECTED = {
+    "clip": clip,
+    "gspo": clip,
+    "cispo": lambda x: (
+        -sg(x.ratio.clamp(min=x.method.ratio_low, max=x.method.ratio_high)) * x.advantages * x.logprobs
+    ),
+    "sapo": sapo,
+    "pspo": lambda x: -((1 - x.method.alpha) * x.ratio + x.method.alpha) * x.advantages,
+    "vespo": vespo,
+    "cfpo": lambda x: (
+        -(x.ratio * x.advantages - x.advantages.abs() * (x.ratio - 1) ** 2 / (2 * x.method.eps))
+    ),
+    "gmpo": gmpo,
+    "reinforce": lambda x: -x.advantages * x.logprobs,
+}
+
+# The aggregation modes, from METHODS.md: (Σ_t m·ℓ per row [B], mask [B, T]) -> scalar.
+AGGREGATE = {
+    "token-mean": lambda rows, m: rows.sum() / m.sum().clamp(min=1),
+    "token-sum": lambda rows, m: rows.sum(),
+    "seq-mean-token-mean": lambda rows, m: (rows / m.sum(-1).clamp(min=1)).mean(),
+    "seq-mean-token-sum": lambda rows, m: rows.mean(),
+    "seq-mean-token-sum-norm": lambda rows, m: rows.sum() / (m.shape[0] * m.shape[1]),
+}
+
+
+def expected_loss(method, level, aggregation, logprobs, old, advantages, mask, clamp=20.0) -> torch.Tensor:
+    """The whole loss from the table: dense float64 inputs, masked entries zeroed first."""
+    m = mask.double()
+    logprobs, old = logprobs * m, old * m
+    token_log_ratio = (logprobs - old).clamp(-clamp, clamp)
+    if level == "token":
+        log_ratio = token_log_ratio
+    elif level == "sequence-sum":
+        log_ratio = token_log_ratio.sum(-1, keepdim=True).clamp(-clamp, clamp)
+    else:
+        log_ratio = token_log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    inputs = Inputs(method, torch.exp(log_ratio), token_log_ratio, logprobs, advantages[:, None], m)
+    per_token = torch.broadcast_to(EXPECTED[method.name](inputs), m.shape)
+    return AGGREGATE[aggregation]((per_token * m).sum(-1), m)
