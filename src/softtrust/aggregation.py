@@ -70,7 +70,8 @@ def aggregation_weights(
         return _reciprocal(num_active.clamp(min=1) * num_sequences)  # [B, 1]
     if mode == "seq-mean-token-sum":
         return _reciprocal(num_sequences)
-    length = max(mask.shape[-1] if max_completion_length is None else max_completion_length, 1)  # T = 0: no 0/0
+    # max(., 1): with T = 0 the loss is 0, not 0/0
+    length = max(mask.shape[-1] if max_completion_length is None else max_completion_length, 1)
     return _reciprocal(num_sequences * length)
 
 

@@ -147,7 +147,9 @@ class OPSM:
         or keeping the sequence.
         """
         # a non-finite sampler log-prob at an active position is invalid input: NaN, not a drift of ±inf
-        token_drift = torch.where(torch.isfinite(sampler_logprobs), sampler_logprobs - logprobs.detach(), math.nan)
+        token_drift = torch.where(
+            torch.isfinite(sampler_logprobs), sampler_logprobs - logprobs.detach(), math.nan
+        )
         drift = masked_sequence_sum(token_drift, mask)  # [B, 1]
         mean_drift = drift / num_active.clamp(min=1)  # [B, 1]
         dropped = (advantages < 0) & (mean_drift > self.delta)  # [B, 1] or [B, T]
