@@ -230,6 +230,34 @@ def test_importance_corrected_kl_multiplies_by_token_ratio():
     assert kl_corrected.item() == pytest.approx((k3 * torch.exp(logprobs - old) * mask).sum().item())
 
 
+@pytest.mark.parametrize("estimator", st.KL_ESTIMATORS)
+@pytest.mark.parametrize("method", list(st.METHODS))
+def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, estimator):
+    """The KL term adds coef·∇k (times r, with the ratio's own gradient, when importance-corrected),
+    whatever the method: a detached-weight method's ratio must still carry the KL's gradient."""
+    logprobs, old, advantages, mask = random_batch(seed=23, spread=0.5)
+    ref = logprobs + 0.4 * torch.randn(
+        logprobs.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    m = mask.double()
+    estimate = {
+        "k1": lambda lp: lp - ref,
+        "k2": lambda lp: 0.5 * (ref - lp) ** 2,
+        "k3": lambda lp: torch.exp(ref - lp) - (ref - lp) - 1,
+    }[estimator]
+    for corrected in (False, True):
+        kl = st.KL(0.3, estimator=estimator, importance_corrected=corrected)
+        with_kl = st.PolicyLoss(method, aggregation="token-sum", kl=kl)
+        _, grad, _ = loss_and_grad(with_kl, logprobs, old, advantages, mask, ref_logprobs=ref)
+        _, policy_grad, _ = loss_and_grad(
+            st.PolicyLoss(method, aggregation="token-sum"), logprobs, old, advantages, mask
+        )
+        leaf = logprobs.clone().requires_grad_(True)
+        term = estimate(leaf) * (torch.exp(leaf - old) if corrected else 1.0)
+        (expected,) = torch.autograd.grad((0.3 * term * m).sum(), leaf)
+        torch.testing.assert_close(grad - policy_grad, expected, rtol=1e-10, atol=1e-12)
+
+
 # --- metrics ---------------------------------------------------------------------------------------
 
 

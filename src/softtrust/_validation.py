@@ -53,8 +53,8 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], meaning: 
         raise ValueError(f"{name} must have shape {meaning} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
-def check_mask(name: str, mask: object, shape: tuple[int, ...]) -> torch.Tensor:
-    """Return ``mask`` as a bool tensor (True = active); raise unless it is a tensor of ``shape``.
+def check_mask(name: str, mask: object, shape: tuple[int, ...]) -> None:
+    """Raise unless ``mask`` is a tensor of ``shape``.
 
     A non-bool mask is read as ``mask != 0``; that it holds only 0 and 1 is a value
     check (:func:`check_mask_values`), run only when values are checked.
@@ -62,7 +62,6 @@ def check_mask(name: str, mask: object, shape: tuple[int, ...]) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     check_shape(name, mask, shape, "(B, T)")
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def check_mask_values(name: str, mask: torch.Tensor) -> None:

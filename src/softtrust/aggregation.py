@@ -114,8 +114,17 @@ def aggregate(
         num_sequences=num_sequences,
         max_completion_length=max_completion_length,
         num_active=num_active,
-    )
-    per_row = (per_token_loss * mask).sum(dim=-1, keepdim=True)  # [B, 1]
+    )  # a number, a 0-dim tensor or [B, 1]
+    if per_token_loss.shape[-1] == 1 and mask.shape[-1] != 1:  # one loss per sequence: Σ_t m·ℓ_i = n_i·ℓ_i
+        per_row = per_token_loss * (mask.sum(dim=-1, keepdim=True) if num_active is None else num_active)
+        return (per_row * weight).sum()
+    if per_token_loss.shape != mask.shape:
+        per_token_loss = per_token_loss.expand(mask.shape)
+    if not isinstance(weight, torch.Tensor) or weight.dim() == 0:
+        # one weight for every token: a single dot product, whose backward is one multiply
+        total = torch.dot(per_token_loss.reshape(-1), mask.reshape(-1))
+        return total if mode == "token-sum" else total * weight
+    per_row = (per_token_loss.unsqueeze(-2) @ mask.unsqueeze(-1)).squeeze(-1)  # [B, 1]: Σ_t m·ℓ, one pass
     return (per_row * weight).sum()
 
 

@@ -39,8 +39,8 @@ def rollout_log_ratio(
 ) -> torch.Tensor:
     """``log ρ``: [B, T] (token) or [B, 1] (sequence: Σ_t m·log ρ_t), clamped, detached.
 
-    Both inputs are 0 at masked positions (PolicyLoss zeroes them), so ``log ρ`` is 0
-    there; a non-finite sampler log-prob at an active position gives NaN (see
+    Both inputs are 0 at masked positions, so ``log ρ`` is 0 there; a non-finite
+    sampler log-prob at an active position gives NaN (see
     :func:`~softtrust.ratios.clamped_log_ratio`).
     """
     log_rho = clamped_log_ratio(old_logprobs, rollout_logprobs, clamp).detach()  # [B, T]

@@ -16,6 +16,7 @@ for the device and ``torch.compile(loss_fn, fullgraph=True)`` works for every me
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -38,7 +39,7 @@ from softtrust._validation import (
 from softtrust.aggregation import AGGREGATIONS, aggregate
 from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
 from softtrust.kl import KL, kl_estimate
-from softtrust.methods import LossContext, Method, make_method
+from softtrust.methods import DetachedWeightMethod, LossContext, Method, make_method
 from softtrust.metrics import loss_metrics
 from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, LEVELS, clamped_log_ratio, level_log_ratio
 
@@ -129,6 +130,11 @@ class PolicyLoss:
         if check_values is not None and not isinstance(check_values, bool):
             raise ValueError(f"check_values must be None, True or False, got {check_values!r}")
         self.check_values = check_values
+        self._has_batch_state = type(self.method).batch_state is not Method.batch_state
+        # a detached-weight method never differentiates the ratio; an importance-corrected KL does
+        self._ratio_in_graph = not isinstance(self.method, DetachedWeightMethod) or bool(
+            kl is not None and kl.importance_corrected
+        )
 
     def __repr__(self) -> str:
         return (
@@ -180,10 +186,12 @@ class PolicyLoss:
             num_sequences,
         )
         ctx, loss_weight, stats = self._context(batch, generator)
-        if state is None:
+        if state is None and self._has_batch_state:
             with torch.no_grad():
                 state = self.method.batch_state(ctx)
-        per_token_loss, method_stats = self.method.loss(ctx._replace(state=state))  # broadcastable to [B, T]
+        if state:
+            ctx = ctx._replace(state=state)
+        per_token_loss, method_stats = self.method.loss(ctx)  # broadcastable to [B, T]
         if loss_weight is not None:  # IS weight (unless folded) × OPSM keep; detached
             per_token_loss = per_token_loss * loss_weight
         per_token_kl = None
@@ -245,8 +253,9 @@ class PolicyLoss:
         loss (an IS weight the method does not fold, times the OPSM keep), or None.
         """
         clamp, mask = self.log_ratio_clamp, batch.mask
-        token_log_ratio = clamped_log_ratio(batch.logprobs, batch.old, clamp)  # [B, T]
-        log_ratio = level_log_ratio(token_log_ratio, self.level, batch.num_active, clamp)  # [B, T] or [B, 1]
+        log_ratio = level_log_ratio(
+            batch.token_log_ratio, self.level, batch.num_active, clamp
+        )  # [B, T] or [B, 1]
         loss_weight, stats = None, {}
         if batch.is_log_weight is not None:
             if self.method.folds_correction:
@@ -265,7 +274,7 @@ class PolicyLoss:
             logprobs=batch.logprobs,
             old_logprobs=batch.old,
             log_ratio=log_ratio,
-            token_log_ratio=token_log_ratio,
+            token_log_ratio=batch.token_log_ratio,
             advantages=batch.advantages,
             mask=mask,
             num_active=batch.num_active,
@@ -289,18 +298,33 @@ class PolicyLoss:
         num_tokens,
         num_sequences,
     ) -> _Batch:
-        """Check every input, cast it to the compute dtype and zero it at masked positions.
+        """Check every input, cast it to the compute dtype, and make masked entries harmless.
 
-        Zeroing uses ``torch.where`` (``x * m`` would give ``0 * inf = NaN``), so a masked
-        inf or NaN never reaches a value or a gradient.
+        Masked entries may hold anything (inf, NaN). Two ways make them harmless, with
+        the same values and gradients (tests check both):
+
+        * values checked and every input finite everywhere (the usual case on the CPU,
+          where the check reads one sum or extreme per tensor): masked entries are
+          finite, so the token log-ratio is masked by a multiply and the other inputs
+          are used as they are; the aggregation masks the per-token loss.
+        * otherwise (a masked inf/NaN, an accelerator, ``torch.compile``): every input
+          is zeroed at masked positions with ``torch.where`` (``x * m`` would give
+          ``0 * inf = NaN``), and unless values were checked a non-finite recorded
+          log-prob at an active position makes its log-ratio NaN.
+
+        The choice reads values only where the value checks read them anyway: on the
+        CPU, PyTorch's bool selects and comparisons run 5-20x slower than a multiply,
+        so the exact ``where`` path would dominate the loss's time there.
         """
         check_float_tensor("logprobs", logprobs)
         if logprobs.dim() != 2:
             raise ValueError(f"logprobs must have shape (B, T), got {tuple(logprobs.shape)}")
         shape, dtype = tuple(logprobs.shape), compute_dtype(logprobs)
-        active = check_mask("mask", mask, shape)  # [B, T] bool
+        check_mask("mask", mask, shape)
+        if old_logprobs is None:
+            old_logprobs = logprobs.detach()
         recorded = {
-            "old_logprobs": logprobs.detach() if old_logprobs is None else old_logprobs,
+            "old_logprobs": old_logprobs,
             "rollout_logprobs": rollout_logprobs,
             "ref_logprobs": ref_logprobs,
         }
@@ -320,62 +344,96 @@ class PolicyLoss:
         check_values = values_are_checked(self.check_values, logprobs.device)
         check_count("num_tokens", num_tokens, check_values)
         check_count("num_sequences", num_sequences, check_values)
-        mask_f = as_float(active, dtype)  # [B, T]
-        num_active = mask_f.sum(dim=-1, keepdim=True)  # [B, 1]
-        if advantages.dim() == 1:
-            advantages, active_advantages = advantages.unsqueeze(-1), num_active > 0  # [B, 1]
-        else:
-            active_advantages = active
         if check_values:
             check_mask_values("mask", mask)
-            for name, tensor in recorded.items():
-                if tensor is not None:
-                    check_finite_where_active(name, tensor, active)
-            check_finite_where_active("advantages", advantages, active_advantages)
-
-        def zeroed(x: torch.Tensor | None, where: torch.Tensor = active) -> torch.Tensor | None:
-            return None if x is None else torch.where(where, x.detach().to(dtype), 0)
-
-        old, rollout = zeroed(recorded["old_logprobs"]), zeroed(rollout_logprobs)
+        mask_f = as_float(mask if mask.dtype == torch.bool else mask != 0, dtype)  # [B, T] 0/1
+        num_active = mask_f.sum(dim=-1, keepdim=True)  # [B, 1]
+        logprobs = _upcast_saturating_grad(logprobs, dtype)  # [B, T], differentiable
+        old, rollout, ref = (None if x is None else _detached(x, dtype) for x in recorded.values())
+        advantages = _detached(advantages, dtype)
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(-1)  # [B, 1]
+        raw_log_ratio = (logprobs if self._ratio_in_graph else logprobs.detach()) - old  # [B, T]
+        dense = [x for x in (rollout, ref, advantages) if x is not None and x.shape[-1] != 1]
+        finite = check_values and _all_finite(raw_log_ratio, dense, advantages)
+        if check_values and not finite:
+            _check_active_values(recorded, advantages, mask_f)  # raises on a bad active value
+        clamp = self.log_ratio_clamp
+        if finite:
+            token_log_ratio = raw_log_ratio.clamp(-clamp, clamp) * mask_f  # [B, T]
+            rollout, ref = (None if x is None else x * mask_f for x in (rollout, ref))
+            if advantages.shape[-1] != 1:
+                advantages = advantages * mask_f
+        else:
+            active = mask_f > 0  # [B, T]
+            logprobs, old, rollout, ref = (
+                None if x is None else torch.where(active, x, 0) for x in (logprobs, old, rollout, ref)
+            )
+            advantages = torch.where(active if advantages.shape[-1] != 1 else num_active > 0, advantages, 0)
+            token_log_ratio = clamped_log_ratio(logprobs, old, clamp)  # [B, T]; NaN for a bad old
         is_log_weight = None
         if self.is_correction is not None:
-            log_rho = rollout_log_ratio(old, rollout, self.is_correction.level, self.log_ratio_clamp)
+            log_rho = rollout_log_ratio(old * mask_f, rollout, self.is_correction.level, clamp)
             is_log_weight = self.is_correction.log_weight(log_rho)  # [B, T] or [B, 1], detached
         return _Batch(
-            logprobs=torch.where(active, _upcast_saturating_grad(logprobs, dtype), 0),
+            logprobs=logprobs,
             old=old,
-            advantages=zeroed(advantages, active_advantages),
+            token_log_ratio=token_log_ratio,
+            advantages=advantages,
             mask=mask_f,
             rollout=rollout,
-            ref=zeroed(ref_logprobs),
+            ref=ref,
             is_log_weight=is_log_weight,
             num_active=num_active,
-            num_tokens=_count(num_tokens, num_active.sum(), mask_f),
-            num_sequences=_count(num_sequences, shape[0], mask_f),
+            num_tokens=num_active.sum().clamp(min=1) if num_tokens is None else _count(num_tokens, 1),
+            num_sequences=_count(num_sequences, shape[0]),
         )
 
 
 class _Batch(NamedTuple):
-    """Checked inputs in the compute dtype, every masked entry exactly 0."""
+    """Checked inputs in the compute dtype: masked entries finite (see ``PolicyLoss._inputs``)."""
 
     logprobs: torch.Tensor  # [B, T] differentiable
     old: torch.Tensor  # [B, T]
+    token_log_ratio: torch.Tensor  # [B, T] clamped logp - old, 0 at masked positions
     advantages: torch.Tensor  # [B, 1] or [B, T]
     mask: torch.Tensor  # [B, T] 0/1 float
     rollout: torch.Tensor | None  # [B, T]
     ref: torch.Tensor | None  # [B, T]
     is_log_weight: torch.Tensor | None  # [B, T] or [B, 1]: the IS correction's log-weight
     num_active: torch.Tensor  # [B, 1]
-    num_tokens: torch.Tensor  # 0-dim, >= 1
-    num_sequences: torch.Tensor  # 0-dim, >= 1
+    num_tokens: float | torch.Tensor  # >= 1
+    num_sequences: float | torch.Tensor  # >= 1
 
 
-def _count(
-    given: float | torch.Tensor | None, default: float | torch.Tensor, like: torch.Tensor
-) -> torch.Tensor:
-    """A global count as a 0-dim tensor of at least 1 (an empty batch gives loss 0, not 0/0)."""
-    count = default if given is None else given
-    return torch.as_tensor(count, dtype=like.dtype, device=like.device).reshape(()).clamp(min=1)
+def _all_finite(raw_log_ratio: torch.Tensor, dense: list[torch.Tensor], advantages: torch.Tensor) -> bool:
+    """True when no entry of the inputs is inf or NaN, masked or not (reads values: CPU checks only).
+
+    One sum over every input (``logp - old`` stands for both log-probs): it is non-finite as
+    soon as one term is; the rare overflow of finite terms only costs the ``where`` path.
+    """
+    total = raw_log_ratio.detach().sum() + advantages.sum()
+    for x in dense:
+        total = total + x.sum()
+    return math.isfinite(total.item())
+
+
+def _check_active_values(recorded: dict, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming the input that is not finite at an active position."""
+    active = mask > 0
+    for name, tensor in recorded.items():
+        if tensor is not None:
+            check_finite_where_active(name, tensor, active)
+    check_finite_where_active(
+        "advantages", advantages, active if advantages.shape[-1] != 1 else active.any(-1, True)
+    )
+
+
+def _count(given: float | torch.Tensor | None, default: int) -> float | torch.Tensor:
+    """A global count of at least 1, a number or a 0-dim tensor (an empty batch gives loss 0, not 0/0)."""
+    if given is None:
+        return float(max(default, 1))
+    return given.reshape(()).clamp(min=1) if isinstance(given, torch.Tensor) else max(float(given), 1.0)
 
 
 class _UpcastSaturatingGrad(torch.autograd.Function):
@@ -395,6 +453,13 @@ class _UpcastSaturatingGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         largest = torch.finfo(ctx.input_dtype).max
         return grad.clamp(-largest, largest).to(ctx.input_dtype), None
+
+
+def _detached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.detach().to(dtype)``, skipping the calls that would change nothing (each costs µs per call)."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -37,8 +37,9 @@ class LossContext(NamedTuple):
         advantages: [B, 1] (one per sequence) or [B, T], detached.
         mask: [B, T] 0/1 float completion mask.
         num_active: [B, 1] active tokens per row.
-        num_tokens: 0-dim global active-token count (over every micro-batch and rank), >= 1.
-        num_sequences: 0-dim global sequence count, >= 1.
+        num_tokens: global active-token count (over every micro-batch and rank), >= 1: a
+            number or a 0-dim tensor.
+        num_sequences: global sequence count, >= 1: a number or a 0-dim tensor.
         level: the ratio level, one of :data:`~softtrust.ratios.LEVELS`.
         state: batch-wide quantities from :meth:`Method.batch_state`, computed over the
             whole (global) batch; empty for methods that need none.
@@ -53,8 +54,8 @@ class LossContext(NamedTuple):
     advantages: torch.Tensor
     mask: torch.Tensor
     num_active: torch.Tensor
-    num_tokens: torch.Tensor
-    num_sequences: torch.Tensor
+    num_tokens: float | torch.Tensor
+    num_sequences: float | torch.Tensor
     level: str
     state: dict[str, torch.Tensor]
     generator: torch.Generator | None = None
@@ -133,18 +134,18 @@ class DetachedWeightMethod(Method):
         raise NotImplementedError
 
     def loss(self, ctx: LossContext) -> MethodOutput:
-        with torch.no_grad():  # the weight is a constant of the gradient: record no graph for it
-            weight, stats = self.weight(ctx)
-        return MethodOutput(
-            -(weight * ctx.advantages) * ctx.logprobs, stats
-        )  # [B, T]; the [B, 1] factor first
+        weight, stats = self.weight(ctx)  # PolicyLoss computes the ratio without a graph for these methods
+        return MethodOutput(-(weight.detach() * ctx.advantages) * ctx.logprobs, stats)  # [B, T]; [B, 1] first
 
 
 def choose(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
     """``where(condition, if_true, if_false)`` for two Python numbers, in ``like``'s dtype and device.
 
-    (``torch.where`` with two Python scalars gives float32: 1.05 would lose its float64 digits.)
+    (``torch.where`` with two Python scalars gives the default dtype: in float64 math a float32
+    1.05 would lose its digits, so the first value is built in ``like``'s dtype then.)
     """
+    if like.dtype == torch.get_default_dtype():
+        return torch.where(condition, if_true, if_false)  # one op: the common float32 case
     return torch.where(condition, torch.full((), if_true, dtype=like.dtype, device=like.device), if_false)
 
 

@@ -121,13 +121,13 @@ class VESPO(DetachedWeightMethod):
 
     def phi(self, log_w: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """φ(W) from ``log W`` and the advantage sign (detached), broadcast of both inputs."""
-        log_w = log_w.detach().clamp(min=VESPO_LOG_W_FLOOR)
+        log_w = log_w.clamp(min=VESPO_LOG_W_FLOOR)
         nonneg = advantages >= 0
         k = choose(nonneg, self.k_pos, self.k_neg, log_w)
         lam = choose(nonneg, self.lambda_pos, self.lambda_neg, log_w)
         # log φ = k·log W - λ·(W - 1), in log space (W^k underflows, e^{λW} overflows),
         # with W - 1 = expm1(log W): exact near W = 1
-        return torch.exp(k * log_w - lam * torch.expm1(log_w))
+        return torch.exp(torch.addcmul(k * log_w, lam, torch.expm1(log_w), value=-1.0))
 
 
 @register_method
