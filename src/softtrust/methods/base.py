@@ -24,12 +24,16 @@ from softtrust.ratios import LEVELS
 class LossContext(NamedTuple):
     """Everything a method may read, in one object (all float tensors share one dtype).
 
-    Every entry at a masked position is exactly 0 (and finite), so a method never needs
-    the mask to guard a value; it needs it only for reductions of its own (GMPO).
+    Every entry at a masked position is finite, so a method never needs the mask to guard
+    a value: the aggregation masks the per-token loss. ``token_log_ratio`` and per-token
+    ``advantages`` are exactly 0 there; ``logprobs`` and ``old_logprobs`` may hold any
+    finite value there, so a method that reduces over tokens itself weights by ``mask``
+    (GMPO reduces ``token_log_ratio``).
 
     Attributes:
         logprobs: [B, T] log π_θ of the sampled tokens, differentiable.
         old_logprobs: [B, T] log π_old (the behaviour policy), detached.
+        (for both: a reduction over tokens must weight by ``mask``)
         log_ratio: [B, T] (token level) or [B, 1] (sequence levels): the clamped log-ratio
             at the loss's level, differentiable; for methods with ``folds_correction``,
             the behaviour correction's log-weight is already added.
