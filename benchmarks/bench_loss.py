@@ -7,7 +7,7 @@ For every B × T of the grid (the seed PR's 8×128 … 128×1024, then the long
 completions of reasoning RL: 64×4096, 64×8192, 32×16384) it times forward +
 backward of:
 
-* ``softtrust VESPO``: ``PolicyLoss("vespo", compute_metrics=False)`` (the fused path);
+* ``softtrust VESPO``: ``PolicyLoss("vespo", compute_metrics=False)``;
 * ``softtrust VESPO +metrics``: the same with its metrics (ratio, log W, φ, ESS);
 * ``TRL VESPO``: ``trl.GRPOTrainer.get_gamma_weights`` plus TRL's loss expression
   ``-φ·A·logp`` masked-summed over the token count, on TRL's int64 mask;
@@ -169,49 +169,51 @@ def _shapes(records: list[dict]) -> str:
 def reading(results: list[dict], trl_version: str | None = None) -> str:
     """The paragraph that reads this run's table against the targets (written from the numbers).
 
-    Targets (issue #4): at least 1.5× TRL's VESPO path from B × T = 64 × 4096 up (ratios
-    compared as printed, to 2 decimals) and no slower than it anywhere on the grid.
+    Targets (issue #19): VESPO at least 1.5× TRL's VESPO path from B × T = 64 × 4096 up and
+    at least 0.9× it at every smaller shape, metrics off; Clip and SAPO no more than 10 %
+    slower than their plain autograd expressions. Ratios are compared as printed (2 decimals).
     """
 
     def ratios(records, slower, faster):
         return [r["ms"][slower] / r["ms"][faster] for r in records]
+
+    def below(records, slower, faster, floor):
+        return [r for r in records if round(r["ms"][slower] / r["ms"][faster], 2) < floor]
 
     parts = []
     if results and "trl_vespo" in results[0]["ms"]:
         trl = f"TRL {trl_version}'s path" if trl_version else "TRL's path"
         long = [r for r in results if r["shape"][0] * r["shape"][1] >= 64 * 4096]
         rest = [r for r in results if r not in long]
-        behind = [r for r in results if r["ms"]["st_vespo"] > r["ms"]["trl_vespo"]]
         if long:
-            met = round(min(ratios(long, "trl_vespo", "st_vespo")), 2) >= 1.5
+            met = not below(long, "trl_vespo", "st_vespo", 1.5)
             parts.append(
                 f"From 64 × 4096 up softtrust's VESPO is {span(ratios(long, 'trl_vespo', 'st_vespo'))} "
                 f"faster than {trl} (target ≥ 1.5×: {'met' if met else '**not met**'})."
             )
         if rest:
+            slow = below(rest, "trl_vespo", "st_vespo", 0.9)
+            verdict = "met" if not slow else f"**not met** at {_shapes(slow)}"
             parts.append(
                 f"{'Below that' if long else 'On this grid'} it runs at "
-                f"{span(ratios(rest, 'trl_vespo', 'st_vespo'))} the speed of {trl}."
+                f"{span(ratios(rest, 'trl_vespo', 'st_vespo'))} the speed of {trl} (target ≥ 0.9×: {verdict})."
             )
-        if behind:
-            gaps = [1e3 * (r["ms"]["st_vespo"] - r["ms"]["trl_vespo"]) for r in behind]
-            low, high = f"{min(gaps):.1f}", f"{max(gaps):.1f}"
-            parts.append(
-                f"It is slower at {_shapes(behind)}, by {low if low == high else f'{low}–{high}'} µs a "
-                'call: **the target "no slower anywhere on the grid" is not met there** (the input '
-                "checks alone cost about 9.5 µs, measured at 16 × 256)."
-            )
-        else:
-            parts.append("It is no slower than TRL anywhere on the grid (target met in this run).")
     else:
         parts.append("TRL is not installed: no comparison against its VESPO path.")
     if results:
-        parts.append(
-            f"Clip runs at {span(ratios(results, 'plain_clip', 'st_clip'))} and SAPO at "
-            f"{span(ratios(results, 'plain_sapo', 'st_sapo'))} the speed of their plain autograd "
-            "expressions; the plain VESPO expression (precomputed float mask, no checks) at "
-            f"{span(ratios(results, 'st_vespo', 'plain_vespo'))} softtrust's speed."
-        )
+        for name, slower, faster in (("Clip", "plain_clip", "st_clip"), ("SAPO", "plain_sapo", "st_sapo")):
+            slow = below(results, slower, faster, 0.91)
+            verdict = "met" if not slow else f"**not met** at {_shapes(slow)}"
+            parts.append(
+                f"{name} runs at {span(ratios(results, slower, faster))} the speed of its plain autograd "
+                f"expression (target: no more than 10 % slower: {verdict})."
+            )
+        if "st_vespo_metrics" in results[0]["ms"]:
+            parts.append(
+                f"Metrics cost VESPO {span(ratios(results, 'st_vespo_metrics', 'st_vespo'))} its time "
+                "without them; the plain VESPO expression (precomputed float mask, no checks) runs at "
+                f"{span(ratios(results, 'st_vespo', 'plain_vespo'))} softtrust's speed."
+            )
     return " ".join(parts)
 
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from softtrust.aggregation import AGGREGATIONS
+from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
 MODES = ("sync", "async")
@@ -68,7 +69,7 @@ class TrainConfig:
     # --- policy loss
     method: str = _field(
         "vespo",
-        "Policy-loss method, any softtrust.METHODS name (clip, gspo, cispo, sapo, pspo, vespo, cfpo, gmpo, reinforce).",
+        "Policy-loss method, one of: " + ", ".join(METHODS) + ".",
     )
     method_params: dict = field(
         default_factory=dict,
@@ -179,7 +180,6 @@ class TrainConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> TrainConfig:
         """Check every field; raise ``ValueError`` naming the first bad one. Returns self."""
-        from softtrust import METHODS
 
         def need(condition: bool, name: str, message: str) -> None:
             if not condition:
