@@ -10,6 +10,7 @@ import torch
 import softtrust as st
 from softtrust.methods.reweighting import binary_kl
 
+from expected_methods import expected_loss
 from helpers import loss_and_grad, random_batch
 
 
@@ -248,3 +249,30 @@ def test_error_invalid_catalogue_hyperparameter(factory, message):
 def test_catalogue_token_methods_refuse_sequence_levels(method):
     with pytest.raises(ValueError, match="not supported"):
         st.PolicyLoss(method, level="sequence-mean")
+
+
+def test_clip_cov_table_formula_with_a_real_pick():
+    """The table's independent statement of the keyed pick (tests/expected_methods.py), with k < #candidates."""
+    logprobs, old, advantages, mask = clip_cov_batch()
+    loss_fn = st.PolicyLoss(st.ClipCov(ratio=0.05, cov_low=0.05), aggregation="token-mean")
+    loss, grad, metrics = loss_and_grad(loss_fn, logprobs, old, advantages, mask)
+    assert metrics["cov/picked"] > 0
+    leaf = logprobs.clone().requires_grad_(True)
+    expected = expected_loss(loss_fn.method, "token", "token-mean", leaf, old, advantages, mask)
+    (expected_grad,) = torch.autograd.grad(expected, leaf)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
+
+
+def test_clip_cov_compiles_with_a_state_drawn_from_a_generator():
+    """A Generator cannot enter a fullgraph compile: draw the state eagerly, pass it to the compiled loss."""
+    batch = clip_cov_batch()
+    loss_fn = st.PolicyLoss(st.ClipCov(ratio=0.05, cov_low=0.05))
+    state = loss_fn.batch_state(*batch, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    loss, grad, metrics = loss_and_grad(loss_fn, *batch, state=state)
+    loss_c, grad_c, _ = loss_and_grad(compiled, *batch, state=state)
+    assert metrics["cov/picked"] > 0
+    assert loss_c.item() == pytest.approx(loss.item(), rel=1e-12)
+    torch.testing.assert_close(grad_c, grad, rtol=1e-12, atol=1e-14)

@@ -133,7 +133,9 @@ class ClipCov(Method):
     or fixed when no generator is given (then the pick is a deterministic function of
     the batch). Keying by values rather than by position is what lets each micro-batch
     recognise its share of the global pick. Tokens with identical values share a key,
-    so a tie at the k-th key is picked together.
+    so a tie at the k-th key is picked together. A compiled loss cannot take a
+    generator: draw the state eagerly with ``PolicyLoss.batch_state(..., generator=)``
+    and pass ``state=``.
 
     Because of the zeroing, the on-policy gradient differs from REINFORCE's on the
     picked tokens (by design).
