@@ -276,3 +276,11 @@ def test_clip_cov_compiles_with_a_state_drawn_from_a_generator():
     assert metrics["cov/picked"] > 0
     assert loss_c.item() == pytest.approx(loss.item(), rel=1e-12)
     torch.testing.assert_close(grad_c, grad, rtol=1e-12, atol=1e-14)
+
+
+def test_selection_size_is_the_float64_floor_even_for_float32_inputs():
+    from softtrust.methods.covariance import _selection_size
+
+    mask = torch.ones(100, 100, dtype=torch.float32)  # N = 10000: 2e-4·N = 2 exactly in float64
+    assert _selection_size(2e-4, mask).item() == 2 == max(1, int(2e-4 * 10000))
+    assert _selection_size(2e-4, mask[:10]).item() == 1  # floor(0.2) -> at least 1

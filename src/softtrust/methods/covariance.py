@@ -44,8 +44,12 @@ def _batch_means(ctx: LossContext) -> dict[str, torch.Tensor]:
 
 
 def _selection_size(ratio: float, mask: torch.Tensor) -> torch.Tensor:
-    """``k = max(1, floor(ratio·N))`` for N active tokens, as a 0-dim int64 tensor."""
-    return torch.floor(mask.sum() * ratio).clamp(min=1).to(torch.int64)
+    """``k = max(1, floor(ratio·N))`` for N active tokens, as a 0-dim int64 tensor.
+
+    In float64 whatever the compute dtype: in float32, 2e-4 rounds below itself and
+    ``floor(2e-4·10000)`` would be 1, not the reference's 2.
+    """
+    return torch.floor(mask.sum(dtype=torch.float64) * ratio).clamp(min=1).to(torch.int64)
 
 
 def _kth(values: torch.Tensor, k: torch.Tensor, descending: bool, empty: float) -> torch.Tensor:
