@@ -22,6 +22,7 @@ class Inputs(NamedTuple):
     logprobs: torch.Tensor  # [B, T] log π_θ, 0 where masked
     advantages: torch.Tensor  # [B, 1]
     mask: torch.Tensor  # [B, T] 0/1 float
+    old: torch.Tensor | None = None  # [B, T] log π_old, 0 where masked
 
 
 def sg(x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,51 @@ def gmpo(x: Inputs) -> torch.Tensor:
     )
 
 
+def dppo(x: Inputs) -> torch.Tensor:
+    m, a = x.method, x.advantages
+    low, high = m.thresholds
+    p, q = torch.exp(sg(x.logprobs)), torch.exp(x.old)
+    if m.divergence == "tv":
+        valid = torch.where(a > 0, p - q <= high, p - q >= -low)
+    else:  # KL(Bern(q) || Bern(p)) with 0·log 0 = 0
+        kl = torch.xlogy(q, q) - torch.xlogy(q, p) + torch.xlogy(1 - q, 1 - q) - torch.xlogy(1 - q, 1 - p)
+        valid = torch.where(a > 0, (kl <= high) | (p <= q), (kl <= low) | (p >= q))
+    return -sg(x.ratio.clamp(max=m.cap) * valid) * a * x.logprobs
+
+
+def covariance_and_count(x: Inputs) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cov over active tokens (1-D), their flat positions, and k = max(1, floor(ratio·N))."""
+    valid = x.mask.reshape(-1) > 0
+    a = torch.broadcast_to(x.advantages, x.mask.shape).reshape(-1)[valid]
+    lp = sg(x.logprobs).reshape(-1)[valid]
+    cov = (a - a.mean()) * (lp - lp.mean())
+    return cov, torch.nonzero(valid).reshape(-1), max(1, int(x.method.ratio * int(valid.sum())))
+
+
+def kl_cov(x: Inputs) -> torch.Tensor:
+    selected = torch.zeros(x.mask.numel(), dtype=torch.float64)
+    cov, where, k = covariance_and_count(x)
+    if cov.numel():
+        selected[where[torch.topk(cov, k).indices]] = 1.0
+    penalty = x.method.coef * x.token_log_ratio.abs() * selected.reshape(x.mask.shape)
+    return -x.advantages * x.ratio + penalty
+
+
+def clip_cov(x: Inputs) -> torch.Tensor:
+    m, a, r = x.method, x.advantages, x.ratio
+    unclipped, clipped = -a * r, -a * r.clamp(1 - m.eps_low, 1 + m.eps_high)
+    picked = torch.zeros(x.mask.numel(), dtype=torch.bool)
+    cov, where, k = covariance_and_count(x)
+    unclipped_here = (sg(clipped) <= sg(unclipped)).reshape(-1)[where]
+    candidate = unclipped_here & (cov > m.cov_low) & (cov < m.cov_high)
+    # the documented pick: the k candidates with the smallest key (salt 0.5 without a generator)
+    mix = 12.9898 * sg(x.logprobs) + 78.233 * x.old + 37.719 * torch.broadcast_to(a, x.mask.shape) + 500.0
+    key = torch.frac(43758.5453 * torch.sin(mix)).abs().reshape(-1)[where][candidate]
+    if key.numel():
+        picked[where[candidate][torch.topk(key, min(k, key.numel()), largest=False).indices]] = True
+    return torch.where(picked.reshape(x.mask.shape), 0.0, torch.maximum(unclipped, clipped))
+
+
 EXPECTED = {
     "clip": clip,
     "gspo": clip,
@@ -71,6 +117,13 @@ EXPECTED = {
     ),
     "gmpo": gmpo,
     "reinforce": lambda x: -x.advantages * x.logprobs,
+    "dppo": dppo,
+    "dro": lambda x: -(x.advantages * x.logprobs - x.method.beta / 2 * x.token_log_ratio**2),
+    "topr": lambda x: (
+        -sg(torch.where(x.advantages < 0, x.ratio.clamp(0, 1), 1.0)) * x.advantages * x.logprobs
+    ),
+    "kl-cov": kl_cov,
+    "clip-cov": clip_cov,
 }
 
 # The aggregation modes, from METHODS.md: (Σ_t m·ℓ per row [B], mask [B, T]) -> scalar.
@@ -94,6 +147,6 @@ def expected_loss(method, level, aggregation, logprobs, old, advantages, mask, c
         log_ratio = token_log_ratio.sum(-1, keepdim=True).clamp(-clamp, clamp)
     else:
         log_ratio = token_log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-    inputs = Inputs(method, torch.exp(log_ratio), token_log_ratio, logprobs, advantages[:, None], m)
+    inputs = Inputs(method, torch.exp(log_ratio), token_log_ratio, logprobs, advantages[:, None], m, old)
     per_token = torch.broadcast_to(EXPECTED[method.name](inputs), m.shape)
     return AGGREGATE[aggregation]((per_token * m).sum(-1), m)

@@ -3,8 +3,9 @@
 | module | what | methods |
 | --- | --- | --- |
 | :mod:`~softtrust.methods.base` | the interface: :class:`LossContext`, :class:`Method`, the registry | |
-| :mod:`~softtrust.methods.trust_region` | the ratio is in the graph, bounded or damped | Clip, GSPO, SAPO, PSPO, CFPO, GMPO |
-| :mod:`~softtrust.methods.reweighting` | REINFORCE with a detached weight | CISPO, VESPO, REINFORCE |
+| :mod:`~softtrust.methods.trust_region` | the ratio is in the graph, bounded or damped | Clip, GSPO, SAPO, PSPO, CFPO, GMPO, DRO |
+| :mod:`~softtrust.methods.reweighting` | REINFORCE with a detached weight | CISPO, VESPO, DPPO, TOPR, REINFORCE |
+| :mod:`~softtrust.methods.covariance` | a batch-wide selection by log-prob/advantage covariance | KLCov, ClipCov |
 
 Adding a method: see ``docs/adding_a_method.md``. Importing this package registers
 every method in :data:`METHODS`, the one list of names the CLI, the config, the
@@ -20,22 +21,28 @@ from softtrust.methods.base import (
     make_method,
     register_method,
 )
-from softtrust.methods.reweighting import CISPO, REINFORCE, VESPO, VESPO_LOG_W_FLOOR
-from softtrust.methods.trust_region import CFPO, GMPO, GSPO, PSPO, SAPO, Clip
+from softtrust.methods.covariance import ClipCov, KLCov
+from softtrust.methods.reweighting import CISPO, DPPO, REINFORCE, TOPR, VESPO, VESPO_LOG_W_FLOOR
+from softtrust.methods.trust_region import CFPO, DRO, GMPO, GSPO, PSPO, SAPO, Clip
 
 __all__ = [
     "CFPO",
     "CISPO",
+    "DPPO",
+    "DRO",
     "GMPO",
     "GSPO",
     "METHODS",
     "PSPO",
     "REINFORCE",
     "SAPO",
+    "TOPR",
     "VESPO",
     "VESPO_LOG_W_FLOOR",
     "Clip",
+    "ClipCov",
     "DetachedWeightMethod",
+    "KLCov",
     "LossContext",
     "Method",
     "MethodOutput",

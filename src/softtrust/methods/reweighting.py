@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from softtrust._validation import check_number
+from softtrust._validation import check_choice, check_number
 from softtrust.methods.base import DetachedWeightMethod, LossContext, MethodOutput, choose, register_method
 
 
@@ -145,3 +145,126 @@ class REINFORCE(DetachedWeightMethod):
 
     def weight(self, ctx: LossContext) -> MethodOutput:
         return MethodOutput(torch.ones((), dtype=ctx.advantages.dtype, device=ctx.advantages.device))
+
+
+# DPPO's divergence thresholds when none are given: the values of the reference recipe
+# (verl 0.9.1 examples/dppo_trainer/run_qwen30b_dppo.sh: clip_ratio 0.15 for dppo_tv, 0.05 for dppo_kl).
+DPPO_DEFAULT_DELTA = {"tv": 0.15, "binary-kl": 0.05}
+
+
+@register_method
+@dataclass(frozen=True)
+class DPPO(DetachedWeightMethod):
+    """DPPO: REINFORCE with a truncated detached ratio, masked by a divergence trust region.
+
+    Per token, with ``p = π_θ(token) = e^logp`` and ``p_old = e^old``::
+
+        ℓ = -sg(min(r, cap))·valid·A·logp
+
+    ``valid`` (detached) drops a token whose probability has already moved too far *in
+    the direction the update pushes it*:
+
+    - ``divergence="tv"`` (DPPO-Binary-TV): ``D = p - p_old``; valid when
+      ``D <= δ_high`` for ``A > 0`` and ``D >= -δ_low`` for ``A <= 0``.
+    - ``divergence="binary-kl"`` (DPPO-Binary-KL): ``D = KL(Bern(p_old) ‖ Bern(p))
+      = p_old·log(p_old/p) + (1-p_old)·log((1-p_old)/(1-p))`` (``0·log 0 = 0``);
+      valid when ``D <= δ_high or p <= p_old`` for ``A > 0`` and
+      ``D <= δ_low or p >= p_old`` for ``A <= 0``. The KL is symmetric in direction,
+      so the direction test keeps every token that moved *against* the update.
+
+    The gradient is ``-min(r, cap)·valid·A·∇logp``: a valid token keeps its full
+    (importance-weighted) gradient, an invalid one gets none. On-policy ``r = 1``,
+    ``D = 0``: every token is valid and the gradient is REINFORCE's.
+
+    Args:
+        divergence: ``"tv"`` or ``"binary-kl"``.
+        delta_low: threshold for ``A <= 0`` (> 0); None: 0.15 (TV) or 0.05 (binary KL),
+            the reference recipe's values.
+        delta_high: threshold for ``A > 0``; None as for ``delta_low``.
+        cap: truncation of the detached ratio (>= 1; 20 as in the paper's section 5.4).
+
+    References:
+        Rethinking the Trust Region in LLM Reinforcement Learning (DPPO), arXiv:2602.04879;
+        verl 0.9.1 ``dppo_tv`` / ``dppo_kl``.
+    """
+
+    name: ClassVar[str] = "dppo"
+    levels: ClassVar[tuple[str, ...]] = ("token",)
+    level_note: ClassVar[str] = "DPPO's trust region is a per-token divergence between p and p_old"
+
+    divergence: str = "tv"
+    delta_low: float | None = None
+    delta_high: float | None = None
+    cap: float = 20.0
+
+    def __post_init__(self) -> None:
+        check_choice("divergence", self.divergence, tuple(DPPO_DEFAULT_DELTA))
+        for name in ("delta_low", "delta_high"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), low=0.0, low_inclusive=False)
+        check_number("cap", self.cap, low=1.0)
+
+    @property
+    def thresholds(self) -> tuple[float, float]:
+        """``(δ_low, δ_high)`` with the divergence's default for a threshold left None."""
+        default = DPPO_DEFAULT_DELTA[self.divergence]
+        low = default if self.delta_low is None else self.delta_low
+        return low, default if self.delta_high is None else self.delta_high
+
+    def weight(self, ctx: LossContext) -> MethodOutput:
+        ratio = torch.exp(ctx.token_log_ratio)  # [B, T]; NaN where old is not finite
+        prob, old_prob = torch.exp(ctx.logprobs), torch.exp(ctx.old_logprobs)  # [B, T]
+        up = ctx.advantages > 0  # [B, 1] or [B, T]
+        low, high = self.thresholds
+        if self.divergence == "tv":
+            moved = prob - old_prob
+            valid = torch.where(up, moved <= high, moved >= -low)
+        else:
+            kl = binary_kl(ctx.old_logprobs, ctx.logprobs)
+            valid = torch.where(up, (kl <= high) | (prob <= old_prob), (kl <= low) | (prob >= old_prob))
+        stats = {}
+        if ctx.with_stats:
+            stats["dppo/masked"] = ~valid
+            stats["clip/high"] = ratio > self.cap
+        return MethodOutput(ratio.clamp(max=self.cap) * valid, stats)
+
+
+def binary_kl(old_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """``KL(Bern(p_old) ‖ Bern(p))`` from log-probs, with ``0·log 0 = 0``; [B, T], >= 0 or +inf.
+
+    ``p_old·(log p_old - log p) + (1-p_old)·(log(1-p_old) - log(1-p))``, with
+    ``log(1-p) = log(-expm1(logp))`` exact for p near 1. A term whose weight is 0
+    is 0; ``p = 1 > p_old`` (all mass moved onto the token) gives +inf.
+    """
+    old_prob = torch.exp(old_logprobs)
+    log_rest = torch.log(-torch.expm1(logprobs))  # log(1 - p); -inf at p = 1
+    log_rest_old = torch.log(-torch.expm1(old_logprobs))
+    first = old_prob * (old_logprobs - logprobs)
+    second = torch.where(old_prob < 1.0, (1.0 - old_prob) * (log_rest_old - log_rest), 0.0)
+    return first + second
+
+
+@register_method
+@dataclass(frozen=True)
+class TOPR(DetachedWeightMethod):
+    """TOPR: tapered off-policy REINFORCE.
+
+    ``ℓ = -sg(w)·A·logp`` with ``w = 1`` for ``A >= 0`` and ``w = clip(r, 0, 1)`` for
+    ``A < 0``, r the ratio at the level (default ``sequence-sum``: the product of the
+    sequence's token ratios, as in the paper). Positive samples keep the plain
+    REINFORCE gradient (no importance weight, so they never vanish); negative samples
+    are tapered by their ratio, which bounds how hard an off-policy failure pushes
+    probability down. On-policy (r = 1) the gradient is REINFORCE's.
+
+    References:
+        Le Roux et al., Tapered Off-Policy REINFORCE, arXiv:2503.14286.
+    """
+
+    name: ClassVar[str] = "topr"
+    default_level: ClassVar[str] = "sequence-sum"
+
+    def weight(self, ctx: LossContext) -> MethodOutput:
+        negative = ctx.advantages < 0  # [B, 1] or [B, T]
+        tapered = ctx.ratio.clamp(0.0, 1.0)  # [B, 1] or [B, T]; NaN stays NaN
+        weight = torch.where(negative, tapered, torch.ones_like(tapered))
+        return MethodOutput(weight, {"clip/low": negative & (ctx.ratio < 1.0)} if ctx.with_stats else {})

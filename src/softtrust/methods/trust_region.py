@@ -239,3 +239,35 @@ class GMPO(Method):
             stats["clip/low"] = (log_ratio < -self.eps) & (advantages < 0)
             stats["clip/high"] = (log_ratio > self.eps) & (advantages > 0)
         return MethodOutput(-advantages * torch.exp(mean_log), stats)  # [B, 1] or [B, T]
+
+
+@register_method
+@dataclass(frozen=True)
+class DRO(Method):
+    """DRO: the policy gradient with a quadratic penalty on the token log-ratio.
+
+    ``ℓ = -(A·logp - (β/2)·(log r)²)`` with ``log r = logp - old`` (clamped). Its
+    gradient w.r.t. ``logp`` is ``-(A - β·log r)``: ``-A`` on-policy, and the penalty
+    pulls a token back toward the old policy in proportion to how far it moved. Token
+    level only: the penalty is on each token's log-ratio.
+
+    Args:
+        beta: penalty weight β > 0.
+
+    References:
+        Richemond et al., Offline Regularised Reinforcement Learning for LLM Alignment
+        (Direct Reward Optimisation), arXiv:2405.19107; verl 0.9.1 ``dro``.
+    """
+
+    name: ClassVar[str] = "dro"
+    levels: ClassVar[tuple[str, ...]] = ("token",)
+    level_note: ClassVar[str] = "DRO penalises each token's log-ratio"
+
+    beta: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_number("beta", self.beta, low=0.0, low_inclusive=False)
+
+    def loss(self, ctx: LossContext) -> MethodOutput:
+        penalty = (0.5 * self.beta) * ctx.token_log_ratio.square()  # [B, T]
+        return MethodOutput(-(ctx.advantages * ctx.logprobs - penalty))
