@@ -103,7 +103,7 @@ def check_count(name: str, value: object, check_values: bool) -> None:
     check_number(name, value, low=0.0, low_inclusive=False)
 
 
-def values_are_checked(check_values: bool | None, device: torch.device) -> bool:
+def values_are_checked(check_values: bool | None, is_cpu: bool) -> bool:
     """Whether value checks run: as asked, else on the CPU only; never while compiling.
 
     Value checks read tensor values on the host (a device sync). On the CPU that costs
@@ -113,13 +113,13 @@ def values_are_checked(check_values: bool | None, device: torch.device) -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    return device.type == "cpu" if check_values is None else check_values
+    return is_cpu if check_values is None else check_values
 
 
 def as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, through ``uint8`` for a bool tensor (much faster on CPU)."""
     if x.dtype == torch.bool:
-        return x.contiguous().view(torch.uint8).to(dtype)
+        return (x if x.is_contiguous() else x.contiguous()).view(torch.uint8).to(dtype)
     return x.to(dtype)
 
 

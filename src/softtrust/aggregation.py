@@ -33,7 +33,7 @@ AGGREGATIONS = (
 )
 
 
-def aggregation_weights(
+def aggregation_divisor(
     mask: torch.Tensor,
     mode: str,
     *,
@@ -42,15 +42,15 @@ def aggregation_weights(
     max_completion_length: int | None = None,
     num_active: torch.Tensor | None = None,
 ) -> torch.Tensor | float:
-    """The weight ``c`` with ``aggregate(ℓ) = Σ_t m_t·ℓ_t·c``: a scalar or a [B, 1] per-row weight.
+    """The divisor ``d`` with ``aggregate(ℓ) = Σ_i (Σ_t m_t·ℓ_t) / d``: a number, a 0-dim tensor or [B, 1].
 
-    | mode                        | c                       |
-    | --------------------------- | ----------------------- |
-    | ``token-mean``              | ``1 / N_tokens``        |
-    | ``token-sum``               | ``1``                   |
-    | ``seq-mean-token-mean``     | ``1 / (n_i · N_seq)``   |
-    | ``seq-mean-token-sum``      | ``1 / N_seq``           |
-    | ``seq-mean-token-sum-norm`` | ``1 / (N_seq · T_max)`` |
+    | mode                        | d                   |
+    | --------------------------- | ------------------- |
+    | ``token-mean``              | ``N_tokens``        |
+    | ``token-sum``               | ``1``               |
+    | ``seq-mean-token-mean``     | ``n_i · N_seq``     |
+    | ``seq-mean-token-sum``      | ``N_seq``           |
+    | ``seq-mean-token-sum-norm`` | ``N_seq · T_max``   |
 
     Every count is clamped to at least 1, so nothing active means loss 0, not 0/0.
     Arguments as in :func:`aggregate`.
@@ -62,17 +62,22 @@ def aggregation_weights(
     if mode == "token-mean":
         if num_tokens is None:
             num_tokens = mask.sum() if num_active is None else num_active.sum()
-        return _reciprocal(_at_least_one(num_tokens, dtype))
+        return _at_least_one(num_tokens, dtype)
     num_sequences = _at_least_one(mask.shape[0] if num_sequences is None else num_sequences, dtype)
     if mode == "seq-mean-token-mean":
         if num_active is None:
             num_active = mask.sum(dim=-1, keepdim=True)  # [B, 1]
-        return _reciprocal(num_active.clamp(min=1) * num_sequences)  # [B, 1]
+        return num_active.clamp(min=1) * num_sequences  # [B, 1]
     if mode == "seq-mean-token-sum":
-        return _reciprocal(num_sequences)
+        return num_sequences
     # max(., 1): with T = 0 the loss is 0, not 0/0
-    length = max(mask.shape[-1] if max_completion_length is None else max_completion_length, 1)
-    return _reciprocal(num_sequences * length)
+    return num_sequences * max(mask.shape[-1] if max_completion_length is None else max_completion_length, 1)
+
+
+def aggregation_weights(mask: torch.Tensor, mode: str, **counts) -> torch.Tensor | float:
+    """The weight ``c = 1 / d`` with ``aggregate(ℓ) = Σ_t m_t·ℓ_t·c`` (see :func:`aggregation_divisor`)."""
+    divisor = aggregation_divisor(mask, mode, **counts)
+    return divisor.reciprocal() if isinstance(divisor, torch.Tensor) else 1.0 / divisor
 
 
 def aggregate(
@@ -85,12 +90,12 @@ def aggregate(
     max_completion_length: int | None = None,
     num_active: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss into a scalar: ``Σ_t m_t·ℓ_t·c`` with ``c`` from :func:`aggregation_weights`.
+    """Aggregate a per-token loss into a scalar: ``Σ_i (Σ_t m_t·ℓ_t) / d`` with ``d`` from :func:`aggregation_divisor`.
 
     Args:
         per_token_loss: broadcastable to [B, T] (a [B, 1] sequence-level loss counts
             once per active token of its row); finite at masked positions (PolicyLoss
-            guarantees it by zeroing masked inputs first).
+            guarantees it).
         mask: [B, T] bool or 0/1 float mask.
         mode: one of :data:`AGGREGATIONS`.
         num_tokens: global active-token count for ``token-mean`` (default ``Σ m``).
@@ -107,30 +112,25 @@ def aggregate(
         mask = mask.view(torch.uint8).to(
             per_token_loss.dtype
         )  # via uint8: much faster than bool -> float on CPU
-    weight = aggregation_weights(
+    divisor = aggregation_divisor(
         mask,
         mode,
         num_tokens=num_tokens,
         num_sequences=num_sequences,
         max_completion_length=max_completion_length,
         num_active=num_active,
-    )  # a number, a 0-dim tensor or [B, 1]
+    )
     if per_token_loss.shape[-1] == 1 and mask.shape[-1] != 1:  # one loss per sequence: Σ_t m·ℓ_i = n_i·ℓ_i
         per_row = per_token_loss * (mask.sum(dim=-1, keepdim=True) if num_active is None else num_active)
-        return (per_row * weight).sum()
+        return (per_row / divisor).sum()
     if per_token_loss.shape != mask.shape:
         per_token_loss = per_token_loss.expand(mask.shape)
-    if not isinstance(weight, torch.Tensor) or weight.dim() == 0:
-        # one weight for every token: a single dot product, whose backward is one multiply
-        total = torch.dot(per_token_loss.reshape(-1), mask.reshape(-1))
-        return total if mode == "token-sum" else total * weight
-    per_row = (per_token_loss.unsqueeze(-2) @ mask.unsqueeze(-1)).squeeze(-1)  # [B, 1]: Σ_t m·ℓ, one pass
-    return (per_row * weight).sum()
-
-
-def _reciprocal(x: float | torch.Tensor) -> float | torch.Tensor:
-    """``1 / x`` (``Tensor.reciprocal`` is one op; ``1.0 / tensor`` goes through a slower Python path)."""
-    return x.reciprocal() if isinstance(x, torch.Tensor) else 1.0 / x
+    if isinstance(divisor, torch.Tensor) and divisor.dim() > 0:  # per-row divisors
+        per_row = (per_token_loss.unsqueeze(-2) @ mask.unsqueeze(-1)).squeeze(-1)  # [B, 1]: Σ_t m·ℓ, one pass
+        return (per_row / divisor).sum()
+    # one divisor for every token: a single dot product, whose backward is one multiply
+    total = torch.dot(per_token_loss.reshape(-1), mask.reshape(-1))
+    return total if mode == "token-sum" else total / divisor
 
 
 def _at_least_one(count: float | torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:

@@ -341,7 +341,7 @@ class PolicyLoss:
                 f"kl={self.kl!r} needs ref_logprobs (the reference policy's log-probs), got None"
             )
         _check_advantages(advantages, shape)
-        check_values = values_are_checked(self.check_values, logprobs.device)
+        check_values = values_are_checked(self.check_values, logprobs.is_cpu)
         check_count("num_tokens", num_tokens, check_values)
         check_count("num_sequences", num_sequences, check_values)
         if check_values:
@@ -412,7 +412,9 @@ def _all_finite(raw_log_ratio: torch.Tensor, dense: list[torch.Tensor], advantag
     One sum over every input (``logp - old`` stands for both log-probs): it is non-finite as
     soon as one term is; the rare overflow of finite terms only costs the ``where`` path.
     """
-    total = raw_log_ratio.detach().sum() + advantages.sum()
+    total = (
+        raw_log_ratio.detach() if raw_log_ratio.requires_grad else raw_log_ratio
+    ).sum() + advantages.sum()
     for x in dense:
         total = total + x.sum()
     return math.isfinite(total.item())

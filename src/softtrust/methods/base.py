@@ -139,7 +139,11 @@ class DetachedWeightMethod(Method):
 
     def loss(self, ctx: LossContext) -> MethodOutput:
         weight, stats = self.weight(ctx)  # PolicyLoss computes the ratio without a graph for these methods
-        return MethodOutput(-(weight.detach() * ctx.advantages) * ctx.logprobs, stats)  # [B, T]; [B, 1] first
+        if weight.requires_grad:  # a weight built from logprobs (DPPO's p): cut its gradient
+            weight = weight.detach()
+        return MethodOutput(
+            -(weight * ctx.advantages) * ctx.logprobs, stats
+        )  # [B, T]; the [B, 1] factor first
 
 
 def choose(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
