@@ -5,15 +5,17 @@ The public API, re-exported names only. See DESIGN.md / docs/ for the architectu
 
 from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
-from softtrust.corrections import MIS, OPSM, TIS
+from softtrust.corrections import MIS, OPSM, TIS, Reject
 from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
 from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.loss import LossOutput, PolicyLoss
 from softtrust.methods import (
+    BAPO,
     CFPO,
     CISPO,
     GMPO,
     GSPO,
+    M2PO,
     METHODS,
     PSPO,
     REINFORCE,
@@ -34,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
+    "BAPO",
     "CFPO",
     "CISPO",
     "GMPO",
@@ -41,11 +44,13 @@ __all__ = [
     "KL",
     "KL_ESTIMATORS",
     "LEVELS",
+    "M2PO",
     "METHODS",
     "MIS",
     "OPSM",
     "PSPO",
     "REINFORCE",
+    "Reject",
     "SAPO",
     "TIS",
     "VESPO",

@@ -5,6 +5,7 @@
 | :mod:`~softtrust.methods.base` | the interface: :class:`LossContext`, :class:`Method`, the registry | |
 | :mod:`~softtrust.methods.trust_region` | the ratio is in the graph, bounded or damped | Clip, GSPO, SAPO, PSPO, CFPO, GMPO |
 | :mod:`~softtrust.methods.reweighting` | REINFORCE with a detached weight | CISPO, VESPO, REINFORCE |
+| :mod:`~softtrust.methods.selection` | a batch-wide selection (``batch_state``) applied per token | M2PO, BAPO |
 
 Adding a method: see ``docs/adding_a_method.md``. Importing this package registers
 every method in :data:`METHODS`, the one list of names the CLI, the config, the
@@ -21,13 +22,16 @@ from softtrust.methods.base import (
     register_method,
 )
 from softtrust.methods.reweighting import CISPO, REINFORCE, VESPO, VESPO_LOG_W_FLOOR
+from softtrust.methods.selection import BAPO, M2PO
 from softtrust.methods.trust_region import CFPO, GMPO, GSPO, PSPO, SAPO, Clip
 
 __all__ = [
+    "BAPO",
     "CFPO",
     "CISPO",
     "GMPO",
     "GSPO",
+    "M2PO",
     "METHODS",
     "PSPO",
     "REINFORCE",
