@@ -62,7 +62,9 @@ def m2po(x: Inputs) -> torch.Tensor:
     # so that the mean of the rest is < tau (all of them when no rest qualifies); ties with the last
     # dropped value are dropped too. The kept tokens train with -r·A, no clip (the paper).
     d2 = sg(x.token_log_ratio) ** 2
-    values = sorted((v for v, m in zip(d2.flatten().tolist(), x.mask.flatten().tolist()) if m), reverse=True)
+    values = sorted(
+        (v for v, m in zip(d2.flatten().tolist(), x.mask.flatten().tolist(), strict=True) if m), reverse=True
+    )
     k = len(values)
     for start in range(len(values)):
         rest = values[start:]

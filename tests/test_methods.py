@@ -293,7 +293,10 @@ def test_vespo_sequence_mean_is_the_length_normalised_ablation():
 
 
 def test_registry_holds_every_method_by_name():
-    assert set(st.METHODS) == {"clip", "gspo", "cispo", "sapo", "pspo", "vespo", "cfpo", "gmpo", "reinforce"}
+    assert set(st.METHODS) == {
+        *("clip", "gspo", "cispo", "sapo", "pspo", "vespo", "cfpo", "gmpo", "reinforce"),
+        *("m2po", "bapo"),
+    }
     for name, cls in st.METHODS.items():
         assert cls.name == name
         assert cls.default_level in cls.levels

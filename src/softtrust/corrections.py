@@ -224,17 +224,25 @@ class Reject:
         if self.veto is not None:
             check_number("veto", self.veto, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         if self.low is None and self.high is None and self.veto is None:
-            raise ValueError("Reject needs at least one of low, high or veto, got none (it would keep everything)")
+            raise ValueError(
+                "Reject needs at least one of low, high or veto, got none (it would keep everything)"
+            )
 
     def weight(
-        self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, num_active: torch.Tensor
+        self,
+        old_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        num_active: torch.Tensor,
     ) -> torch.Tensor:
         """[B, T] (``token``) or [B, 1] (sequence levels), detached: 1 kept, 0 rejected, NaN where the statistic is NaN.
 
         Inputs are 0 at masked positions (so ``log ρ`` is 0 there); ``mask`` is 0/1 float;
         ``num_active`` [B, 1].
         """
-        log_rho = rollout_log_ratio(old_logprobs, rollout_logprobs, "token")  # [B, T], NaN for a bad sampler value
+        log_rho = rollout_log_ratio(
+            old_logprobs, rollout_logprobs, "token"
+        )  # [B, T], NaN for a bad sampler value
         if self.divergence == "k1":
             token_stat = -log_rho
         elif self.divergence == "k2":

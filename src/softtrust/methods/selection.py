@@ -201,7 +201,9 @@ class BAPO(Method):
 
     def __post_init__(self) -> None:
         check_number("target", self.target, low=0.0, high=1.0, low_inclusive=False)
-        check_number("low_start", self.low_start, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        check_number(
+            "low_start", self.low_start, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+        )
         check_number("low_max", self.low_max, low=self.low_start, high=1.0, high_inclusive=False)
         check_number("high_start", self.high_start, low=1.0, low_inclusive=False)
         check_number("high_max", self.high_max, low=self.high_start)
@@ -235,4 +237,6 @@ class BAPO(Method):
 
     def loss(self, ctx: LossContext) -> MethodOutput:
         state = ctx.state
-        return clipped_surrogate(ctx.ratio, ctx.advantages, state["bapo/low"], state["bapo/high"], ctx.with_stats)
+        return clipped_surrogate(
+            ctx.ratio, ctx.advantages, state["bapo/low"], state["bapo/high"], ctx.with_stats
+        )
