@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +75,24 @@ def test_m2po_mask_does_not_depend_on_the_micro_batch_split():
         local_grads.append(loss_and_grad(loss_fn, *args)[1])  # each micro-batch's own cut (AReaL's way)
     torch.testing.assert_close(torch.cat(split_grads), whole_grad, rtol=0, atol=0)
     assert not torch.equal(torch.cat(local_grads), whole_grad)  # what state= prevents
+
+
+AREAL_CASES = json.loads((Path(__file__).parent / "data" / "m2po_areal.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", AREAL_CASES, ids=lambda case: f"seed{case['seed']}")
+def test_m2po_mask_equals_areal_on_one_batch(case):
+    """AReaL 1.0.4's own ``_apply_m2po_masking`` output, recorded by tests/data/make_m2po_areal.py.
+
+    One whole batch, no ties, not every d² >= τ: there the two agree token for token
+    (they differ only in ties, in the all-masked case, and in AReaL's per-micro-batch use).
+    """
+    old, prox = torch.tensor(case["old"]), torch.tensor(case["prox"])  # π_prox = the current log-probs
+    mask = torch.tensor(case["mask"])
+    advantages = torch.ones(old.shape[0], dtype=torch.float64)
+    loss_fn = st.PolicyLoss("m2po", aggregation="token-sum", tau=case["tau"])
+    _, grad, _ = loss_and_grad(loss_fn, prox, old, advantages, mask)
+    assert torch.equal(grad != 0, torch.tensor(case["areal_keep"]))
 
 
 def test_m2po_threshold_is_the_sorted_suffix_rule():
