@@ -237,6 +237,10 @@ class BAPO(Method):
 
     def loss(self, ctx: LossContext) -> MethodOutput:
         state = ctx.state
-        return clipped_surrogate(
+        loss, stats = clipped_surrogate(
             ctx.ratio, ctx.advantages, state["bapo/low"], state["bapo/high"], ctx.with_stats
         )
+        if ctx.with_stats:  # the batch's bounds and share, as [1, 1] (one value for every sequence)
+            for key in ("bapo/low", "bapo/high", "bapo/positive_share"):
+                stats[key] = state[key].reshape(1, 1)
+        return MethodOutput(loss, stats)
