@@ -290,3 +290,34 @@ def test_reject_needs_rollout_logprobs():
 def test_error_invalid_parameters(factory, message):
     with pytest.raises(ValueError, match=message):
         factory()
+
+
+VERL = json.loads((Path(__file__).parent / "data" / "reject_verl.json").read_text())
+VERL_LEVELS = {
+    "token": "token",
+    "seq_sum": "sequence-sum",
+    "seq_mean": "sequence-mean",
+    "seq_max": "sequence-max",
+}
+
+
+def reject_from_verl(option: str, spec: str) -> st.Reject:
+    """docs/methods.md's mapping: ``*_k1 "L_U"`` -> k1 in [log L, log U]; k2/k3 "U" -> high=U."""
+    level, divergence = option.rsplit("_", 1)
+    if divergence == "k1":
+        low, high = (float(v) for v in spec.split("_"))
+        return st.Reject("k1", VERL_LEVELS[level], low=math.log(low), high=math.log(high))
+    return st.Reject(divergence, VERL_LEVELS[level], high=float(spec))
+
+
+@pytest.mark.parametrize("option", list(VERL["thresholds"]))
+def test_reject_equals_verl_rollout_rs(option):
+    """verl 0.9.1's own masks, recorded by tests/data/make_reject_verl.py (float64, 16 x 12, 25% masked)."""
+    log_rho = torch.tensor(VERL["log_rho"])
+    mask = torch.tensor(VERL["mask"])
+    weight = reject_weight(
+        reject_from_verl(option, VERL["thresholds"][option]), log_rho.tolist(), mask.tolist()
+    )
+    verl_mask = torch.tensor(VERL["verl_masks"][option])
+    assert 0 < (verl_mask.sum() / mask.sum()) < 1  # the bound is active on this batch
+    assert torch.equal(weight, verl_mask)
