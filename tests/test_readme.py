@@ -25,7 +25,9 @@ def test_readme_quickstart_runs_as_written(capsys):
     assert namespace["logprobs"].grad.abs().sum() > 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[-1] == str(
-        sorted(["clip", "gspo", "cispo", "sapo", "pspo", "vespo", "cfpo", "gmpo", "reinforce"])
+        sorted(
+            ["clip", "gspo", "cispo", "sapo", "pspo", "vespo", "cfpo", "gmpo", "reinforce", "m2po", "bapo"]
+        )
     )
 
 
