@@ -79,7 +79,9 @@ class M2PO(Method):
     step's first forward pass, detached (within one optimizer step of a synchronous
     trainer the parameters do not change, so every micro-batch's ``logprobs`` are
     ``π_prox``; with several PPO epochs over one batch, recompute the state at each
-    step). So ``d = -log r`` with ``r = π_θ/π_old`` at the token level. The mask ``M``
+    step). So ``d = -log r`` with ``r = π_θ/π_old`` at the token level (``old_logprobs``
+    must be the behaviour policy's: with the decoupled wiring, where ``old_logprobs`` is
+    π_prox itself, d would be 0). The mask ``M``
     keeps a token iff ``d² <`` the cut of :func:`m2po_threshold` (the fewest largest
     ``d²`` dropped so that the mean ``d²`` over the kept active tokens is ``< τ``), and
 
