@@ -321,3 +321,24 @@ def test_reject_equals_verl_rollout_rs(option):
     verl_mask = torch.tensor(VERL["verl_masks"][option])
     assert 0 < (verl_mask.sum() / mask.sum()) < 1  # the bound is active on this batch
     assert torch.equal(weight, verl_mask)
+
+
+@pytest.mark.parametrize(
+    ("level", "high"),
+    [("token", 0.02), ("sequence-sum", 0.02), ("sequence-mean", 0.004), ("sequence-max", 0.02)],
+)
+def test_reject_compiles_with_fullgraph(level, high):
+    logprobs, old, advantages, mask = random_batch(batch=3, length=5, seed=72, spread=0.3)
+    rollout = old + 0.1 * torch.randn(old.shape, generator=torch.Generator().manual_seed(73), dtype=old.dtype)
+    correction = [st.TIS(cap=1.5), st.Reject("k3", level, low=0.0, high=high, veto=0.8)]
+    loss_fn = st.PolicyLoss("m2po", correction=correction)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    loss, grad, metrics = loss_and_grad(loss_fn, logprobs, old, advantages, mask, rollout_logprobs=rollout)
+    loss_c, grad_c, metrics_c = loss_and_grad(
+        compiled, logprobs, old, advantages, mask, rollout_logprobs=rollout
+    )
+    assert 0 < metrics["reject/dropped"] < 1
+    assert loss_c.item() == pytest.approx(loss.item(), rel=1e-12)
+    torch.testing.assert_close(grad_c, grad, rtol=1e-12, atol=1e-14)
+    assert metrics_c == pytest.approx(metrics, rel=1e-6, nan_ok=True)
