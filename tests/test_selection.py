@@ -32,7 +32,7 @@ def test_m2po_masks_the_fewest_largest_second_moments_and_trains_the_rest_unclip
     r = torch.exp(torch.tensor([0.5, 0.1, -0.1, 0.05], dtype=torch.float64))
     keep = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     assert loss.item() == pytest.approx(-(keep * r * 2.0).sum().item(), rel=1e-12)
-    # no ε clip on the kept tokens: r = e^0.1 > 1.2? no, so test a far one below
+    # gradient -M·r·A: 0 for the dropped token, -r·A for the kept ones
     torch.testing.assert_close(grad[0], -keep * r * 2.0)
     assert metrics["m2po/masked"] == pytest.approx(0.25)
 
