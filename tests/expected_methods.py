@@ -103,6 +103,48 @@ def clip_cov(x: Inputs) -> torch.Tensor:
     return torch.where(picked.reshape(x.mask.shape), 0.0, torch.maximum(unclipped, clipped))
 
 
+def m2po(x: Inputs) -> torch.Tensor:
+    # d = old - logp (detached); sort the active tokens' d² descending and drop the fewest largest
+    # so that the mean of the rest is < tau (all of them when no rest qualifies); ties with the last
+    # dropped value are dropped too. The kept tokens train with -r·A, no clip (the paper).
+    d2 = sg(x.token_log_ratio) ** 2
+    values = sorted(
+        (v for v, m in zip(d2.flatten().tolist(), x.mask.flatten().tolist(), strict=True) if m), reverse=True
+    )
+    k = len(values)
+    for start in range(len(values)):
+        rest = values[start:]
+        if sum(rest) / len(rest) < x.method.tau:
+            k = start
+            break
+    cut = values[k - 1] if k > 0 else math.inf
+    keep = (d2 < cut).double()
+    return -keep * x.ratio * x.advantages
+
+
+def bapo(x: Inputs) -> torch.Tensor:
+    # Algorithm 1 of the paper, walked with Python numbers; rho = P / (P + N) by clipped value.
+    m = x.method
+    r, a = sg(x.ratio), (x.advantages * x.mask)
+    low_steps = math.floor((m.low_max - m.low_start) / m.low_step + 1e-9)
+    high_steps = math.floor((m.high_max - m.high_start) / m.high_step + 1e-9)
+    i, j = 0, 0  # steps taken by c_high, c_low
+
+    def share(c_low, c_high):
+        pos = (torch.minimum(r, torch.tensor(c_high)) * a.clamp(min=0)).sum().item()
+        neg = (torch.maximum(r, torch.tensor(c_low)) * (-a).clamp(min=0)).sum().item()
+        return 1.0 if pos + neg == 0 else pos / (pos + neg)
+
+    c_low, c_high = m.low_start, m.high_start
+    while share(c_low, c_high) < m.target and j + 1 <= low_steps:
+        if i + 1 <= high_steps:
+            i += 1
+        else:
+            j += 1
+        c_low, c_high = m.low_start + j * m.low_step, m.high_start + i * m.high_step
+    return -torch.minimum(x.ratio * x.advantages, x.ratio.clamp(c_low, c_high) * x.advantages)
+
+
 EXPECTED = {
     "clip": clip,
     "gspo": clip,
@@ -124,6 +166,8 @@ EXPECTED = {
     ),
     "kl-cov": kl_cov,
     "clip-cov": clip_cov,
+    "m2po": m2po,
+    "bapo": bapo,
 }
 
 # The aggregation modes, from METHODS.md: (Σ_t m·ℓ per row [B], mask [B, T]) -> scalar.

@@ -20,6 +20,10 @@ CORRECTIONS = [
     st.MIS(),
     st.MIS(level="token"),
     st.OPSM(0.1),
+    st.Reject(),
+    [st.TIS(), st.Reject("ratio", "sequence-mean", low=0.9, high=1.1, veto=0.5)],
+    st.Reject("k1", "token", low=-0.2, high=0.2),
+    st.Reject("k2", "sequence-max", high=0.05),
 ]
 
 
@@ -549,7 +553,9 @@ def test_error_non_finite_value_at_an_active_position_when_values_are_checked(na
 
 
 @pytest.mark.parametrize("bad", BAD_VALUES)
-@pytest.mark.parametrize("correction", [None, st.TIS(), st.MIS(level="token"), st.OPSM(0.1)], ids=repr)
+@pytest.mark.parametrize(
+    "correction", [None, st.TIS(), st.MIS(level="token"), st.OPSM(0.1), st.Reject("k3", "token")], ids=repr
+)
 @pytest.mark.parametrize(("method", "level"), method_level_pairs())
 def test_unchecked_non_finite_recorded_logprob_gives_a_non_finite_loss(method, level, correction, bad):
     """Never a silently finite number: an inf is not clamped to a ratio of e^±20, a NaN does not zero φ."""

@@ -5,17 +5,19 @@ The public API, re-exported names only. See DESIGN.md / docs/ for the architectu
 
 from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
-from softtrust.corrections import MIS, OPSM, TIS
+from softtrust.corrections import MIS, OPSM, TIS, Reject
 from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
 from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.loss import LossOutput, PolicyLoss
 from softtrust.methods import (
+    BAPO,
     CFPO,
     CISPO,
     DPPO,
     DRO,
     GMPO,
     GSPO,
+    M2PO,
     METHODS,
     PSPO,
     REINFORCE,
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
+    "BAPO",
     "CFPO",
     "CISPO",
     "DPPO",
@@ -48,6 +51,7 @@ __all__ = [
     "KL",
     "KL_ESTIMATORS",
     "LEVELS",
+    "M2PO",
     "METHODS",
     "MIS",
     "OPSM",
@@ -66,6 +70,7 @@ __all__ = [
     "Method",
     "MethodOutput",
     "PolicyLoss",
+    "Reject",
     "aggregate",
     "aggregation_weights",
     "completion_logprobs",

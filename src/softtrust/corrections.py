@@ -10,6 +10,7 @@ per token or per sequence (the product, ``exp(Σ_t m·(old - rollout))``).
 | TIS        | ``min(ρ, C)``                     | truncated IS; C = 2 (verl), 3 (TRL) |
 | MIS        | ``ρ·1[lo <= ρ <= hi]``            | masked IS / IcePop; a sequence ρ is a product, so long sequences are masked more often |
 | OPSM       | drop a sequence if ``A < 0`` and ``mean_t(rollout - logp) > δ`` | DeepSeek-V3.2's off-policy sequence mask |
+| Reject     | drop a token/sequence whose divergence ``D(log ρ)`` (k1, k2, k3, ratio) leaves ``[low, high]`` | rejection sampling (verl ``rollout_rs``) |
 
 Weights carry no gradient. For most methods an IS weight multiplies the per-token
 loss; VESPO instead folds ``log w`` into its sequence log-weight (see
@@ -156,7 +157,127 @@ class OPSM:
         return torch.where(torch.isnan(mean_drift), math.nan, (~dropped).to(drift.dtype))
 
 
-Correction = ImportanceCorrection | OPSM
+REJECT_DIVERGENCES = ("k1", "k2", "k3", "ratio")
+REJECT_LEVELS = ("token", "sequence-sum", "sequence-mean", "sequence-max")
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Rejection sampling: drop tokens or sequences whose sampler diverged from the old policy.
+
+    With ``log ρ_t = old_t - rollout_t`` (ρ = π_old/μ, clamped as every log-ratio), the
+    per-token statistic is
+
+    | divergence | ``D_t``                        | bounds are on                  |
+    | ---------- | ------------------------------ | ------------------------------ |
+    | ``k1``     | ``-log ρ_t``                   | D (signed)                     |
+    | ``k2``     | ``½·(log ρ_t)²``               | D (>= 0)                       |
+    | ``k3``     | ``ρ_t - 1 - log ρ_t``          | D (>= 0)                       |
+    | ``ratio``  | ``log ρ_t``                    | ``exp`` of the aggregate: a ratio |
+
+    aggregated at ``level``: ``token`` (each token alone), ``sequence-sum`` (``Σ_t m·D_t``),
+    ``sequence-mean`` (``Σ_t m·D_t / Σ_t m``) or ``sequence-max`` (``max_t`` over active
+    tokens). A token (or every token of a sequence) is kept iff
+    ``low <= S <= high`` (a bound that is None is absent); for ``ratio`` the test is
+    ``low <= exp(S) <= high``, so ``Reject("ratio", "sequence-mean", 0.999, 1.001)`` is the
+    geometric-mean ratio bound (verl's Geo-RS) and ``Reject("ratio", "sequence-sum", 0.5, 2)``
+    bounds the sequence ratio. ``veto`` additionally drops a whole sequence when any
+    active token has ``ρ_t < veto``.
+
+    Like :class:`OPSM` it is a mask: a detached 0/1 weight on the per-token loss (never
+    folded into VESPO's W), NaN where the statistic is NaN (a non-finite sampler
+    log-prob at an active position), so invalid input gives a non-finite loss. It
+    needs ``rollout_logprobs`` and combines with one IS correction
+    (``correction=[st.TIS(), st.Reject(...)]``).
+
+    Args:
+        divergence: ``"k1"``, ``"k2"``, ``"k3"`` or ``"ratio"``.
+        level: ``"token"``, ``"sequence-sum"``, ``"sequence-mean"`` or ``"sequence-max"``.
+        low: lower bound on the statistic (for ``ratio``: a ratio > 0), or None.
+        high: upper bound (for ``ratio``: a ratio > 0), or None; default 0.01 (verl's K3-RS).
+        veto: a ratio in (0, 1), or None.
+
+    References:
+        Yao et al., "Your efficient RL framework secretly brings you off-policy RL
+        training" (2025); verl ``rollout_rs`` (``verl/trainer/ppo/rollout_corr_helper.py``);
+        the k1/k2/k3 estimators: J. Schulman, "Approximating KL divergence" (2020).
+    """
+
+    kind: ClassVar[str] = "mask"
+    divergence: str = "k3"
+    level: str = "sequence-mean"
+    low: float | None = None
+    high: float | None = 0.01
+    veto: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("divergence", self.divergence, REJECT_DIVERGENCES)
+        check_choice("level", self.level, REJECT_LEVELS)
+        # a ratio bound is > 0, a k2/k3 bound >= 0 (both are >= 0 everywhere), a k1 bound any number
+        floor = None if self.divergence == "k1" else 0.0
+        for name in ("low", "high"):
+            value = getattr(self, name)
+            if value is not None:
+                check_number(name, value, low=floor, low_inclusive=self.divergence != "ratio")
+        if self.low is not None and self.high is not None and not self.low < self.high:
+            raise ValueError(f"Reject needs low < high, got low={self.low!r}, high={self.high!r}")
+        if self.veto is not None:
+            check_number("veto", self.veto, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+        if self.low is None and self.high is None and self.veto is None:
+            raise ValueError(
+                "Reject needs at least one of low, high or veto, got none (it would keep everything)"
+            )
+
+    def weight(
+        self,
+        old_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        num_active: torch.Tensor,
+    ) -> torch.Tensor:
+        """[B, T] (``token``) or [B, 1] (sequence levels), detached: 1 kept, 0 rejected, NaN where the statistic is NaN.
+
+        Inputs are finite at masked positions (they never count: reductions weight by ``mask``); ``mask`` is 0/1 float;
+        ``num_active`` [B, 1].
+        """
+        log_rho = rollout_log_ratio(
+            old_logprobs, rollout_logprobs, "token"
+        )  # [B, T], NaN for a bad sampler value
+        if self.divergence == "k1":
+            token_stat = -log_rho
+        elif self.divergence == "k2":
+            token_stat = 0.5 * log_rho.square()
+        elif self.divergence == "k3":
+            token_stat = torch.expm1(log_rho) - log_rho
+        else:
+            token_stat = log_rho
+        active = mask > 0
+        if self.level == "token":
+            stat = token_stat  # [B, T]
+        elif self.level == "sequence-max":
+            largest = torch.where(active, token_stat, -math.inf).amax(dim=-1, keepdim=True)  # [B, 1]
+            stat = torch.where(num_active > 0, largest, 0.0)
+        else:
+            stat = masked_sequence_sum(token_stat, mask)  # [B, 1]
+            if self.level == "sequence-mean":
+                stat = stat / num_active.clamp(min=1)
+        if self.divergence == "ratio":
+            low = None if self.low is None else math.log(self.low)
+            high = None if self.high is None else math.log(self.high)
+        else:
+            low, high = self.low, self.high
+        rejected = torch.zeros_like(stat, dtype=torch.bool)
+        if low is not None:
+            rejected = rejected | (stat < low)
+        if high is not None:
+            rejected = rejected | (stat > high)
+        if self.veto is not None:
+            smallest = torch.where(active, log_rho, math.inf).amin(dim=-1, keepdim=True)  # [B, 1]
+            rejected = rejected | (smallest < math.log(self.veto))
+        return torch.where(torch.isnan(stat), math.nan, (~rejected).to(stat.dtype))
+
+
+Correction = ImportanceCorrection | OPSM | Reject
 
 
 def fold_log_weight(

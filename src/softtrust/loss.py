@@ -37,7 +37,14 @@ from softtrust._validation import (
     values_are_checked,
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate
-from softtrust.corrections import OPSM, Correction, ImportanceCorrection, fold_log_weight, rollout_log_ratio
+from softtrust.corrections import (
+    OPSM,
+    Correction,
+    ImportanceCorrection,
+    Reject,
+    fold_log_weight,
+    rollout_log_ratio,
+)
 from softtrust.kl import KL, kl_estimate
 from softtrust.methods import DetachedWeightMethod, LossContext, Method, make_method
 from softtrust.metrics import loss_metrics
@@ -72,8 +79,9 @@ class PolicyLoss:
         method: a :class:`~softtrust.methods.Method` instance or a name in :data:`~softtrust.METHODS`.
         level: ``"token"``, ``"sequence-mean"`` or ``"sequence-sum"``; None takes
             the method's default (VESPO: sequence-sum, GSPO/GMPO: sequence-mean, others: token).
-        correction: None, a :class:`TIS`/:class:`MIS`/:class:`OPSM`, or a sequence of
-            them (at most one IS correction). Needs ``rollout_logprobs`` for TIS/MIS.
+        correction: None, a :class:`TIS`/:class:`MIS`/:class:`OPSM`/:class:`Reject`, or a
+            sequence of them (at most one of each kind: one IS correction, one OPSM, one
+            Reject). Needs ``rollout_logprobs`` for TIS/MIS/Reject.
         aggregation: one of :data:`~softtrust.aggregation.AGGREGATIONS`.
         kl: None or :class:`~softtrust.kl.KL`; needs ``ref_logprobs``.
         log_ratio_clamp: bound on every log-ratio before ``exp`` (default 20).
@@ -118,6 +126,7 @@ class PolicyLoss:
         self.corrections = _as_corrections(correction)
         self.is_correction = next((c for c in self.corrections if isinstance(c, ImportanceCorrection)), None)
         self.opsm = next((c for c in self.corrections if isinstance(c, OPSM)), None)
+        self.reject = next((c for c in self.corrections if isinstance(c, Reject)), None)
         if kl is not None and not isinstance(kl, KL):
             raise ValueError(f"kl must be None or a softtrust.KL, got {type(kl).__name__}")
         self.kl = kl
@@ -192,7 +201,7 @@ class PolicyLoss:
         if state:
             ctx = ctx._replace(state=state)
         per_token_loss, method_stats = self.method.loss(ctx)  # broadcastable to [B, T]
-        if loss_weight is not None:  # IS weight (unless folded) × OPSM keep; detached
+        if loss_weight is not None:  # IS weight (unless folded) × OPSM keep × Reject keep; detached
             per_token_loss = per_token_loss * loss_weight
         per_token_kl = None
         if self.kl is not None:
@@ -270,6 +279,10 @@ class PolicyLoss:
             keep = self.opsm.weight(batch.logprobs, sampler, batch.advantages, mask, batch.num_active)
             loss_weight = keep if loss_weight is None else loss_weight * keep
             stats["opsm/dropped"] = keep == 0
+        if self.reject is not None:  # a 0/1 (NaN) mask on the loss, like OPSM; never folded into W
+            keep = self.reject.weight(batch.old, batch.rollout, mask, batch.num_active)
+            loss_weight = keep if loss_weight is None else loss_weight * keep
+            stats["reject/dropped"] = keep == 0
         ctx = LossContext(
             logprobs=batch.logprobs,
             old_logprobs=batch.old,
@@ -332,10 +345,11 @@ class PolicyLoss:
             if tensor is not None:
                 check_float_tensor(name, tensor)
                 check_shape(name, tensor, shape, "(B, T) like logprobs")
-        if self.is_correction is not None and rollout_logprobs is None:
-            raise ValueError(
-                f"correction {self.is_correction!r} needs rollout_logprobs (the sampler's log-probs), got None"
-            )
+        for needs_sampler in (self.is_correction, self.reject):
+            if needs_sampler is not None and rollout_logprobs is None:
+                raise ValueError(
+                    f"correction {needs_sampler!r} needs rollout_logprobs (the sampler's log-probs), got None"
+                )
         if self.kl is not None and ref_logprobs is None:
             raise ValueError(
                 f"kl={self.kl!r} needs ref_logprobs (the reference policy's log-probs), got None"
@@ -477,16 +491,17 @@ def _as_corrections(correction: object) -> tuple[Correction, ...]:
         return ()
     items = tuple(correction) if isinstance(correction, (list, tuple)) else (correction,)
     for item in items:
-        if not isinstance(item, (ImportanceCorrection, OPSM)):
+        if not isinstance(item, (ImportanceCorrection, OPSM, Reject)):
             raise ValueError(
-                f"correction must be TIS, MIS, OPSM or a list of them, got {type(item).__name__}"
+                f"correction must be TIS, MIS, OPSM, Reject or a list of them, got {type(item).__name__}"
             )
     if sum(isinstance(item, ImportanceCorrection) for item in items) > 1:
         raise ValueError(
             f"correction may hold at most one importance correction (TIS or MIS), got {list(items)}"
         )
-    if sum(isinstance(item, OPSM) for item in items) > 1:
-        raise ValueError(f"correction may hold at most one OPSM, got {list(items)}")
+    for kind in (OPSM, Reject):
+        if sum(isinstance(item, kind) for item in items) > 1:
+            raise ValueError(f"correction may hold at most one {kind.__name__}, got {list(items)}")
     return items
 
 

@@ -20,6 +20,37 @@ _SUM_LEVEL_NOTE = (
 )
 
 
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    low: float | torch.Tensor,
+    high: float | torch.Tensor,
+    with_stats: bool = True,
+    unclipped: torch.Tensor | None = None,
+) -> MethodOutput:
+    """The PPO clipped surrogate ``ℓ = -min(r̃·A, clip(r, low, high)·A)`` with ``r̃ = unclipped or r``.
+
+    The one place the clip is written: :class:`Clip` (``low = 1-ε_low``, ``high = 1+ε_high``)
+    and :class:`~softtrust.methods.selection.BAPO` (bounds searched per batch, 0-dim tensors)
+    call it. Stats: ``clip/low`` is ``r < low and A < 0``, ``clip/high`` is ``r > high and
+    A > 0`` (the tokens whose gradient the clip zeroes).
+
+    Args:
+        ratio: [B, T] or [B, 1] ratio, differentiable.
+        advantages: [B, 1] or [B, T].
+        low, high: the ratio bounds (Python numbers or 0-dim tensors), low <= 1 <= high.
+        with_stats: whether to return the clip fractions.
+        unclipped: the unclipped branch r̃ (default: ``ratio``).
+    """
+    unclipped = ratio if unclipped is None else unclipped
+    loss = -torch.minimum(unclipped * advantages, ratio.clamp(low, high) * advantages)  # [B, T] or [B, 1]
+    stats = {}
+    if with_stats:
+        stats["clip/low"] = (ratio < low) & (advantages < 0)
+        stats["clip/high"] = (ratio > high) & (advantages > 0)
+    return MethodOutput(loss, stats)
+
+
 @register_method
 @dataclass(frozen=True)
 class Clip(Method):
@@ -67,13 +98,10 @@ class Clip(Method):
     def loss(self, ctx: LossContext) -> MethodOutput:
         advantages = ctx.advantages  # [B, 1] or [B, T]
         ratio = ctx.ratio  # [B, T] or [B, 1]
-        clipped = ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         unclipped = ratio if self.delta is None else ratio.clamp(max=self.delta)
-        loss = -torch.minimum(unclipped * advantages, clipped * advantages)  # [B, T] or [B, 1]
-        stats = {}
-        if ctx.with_stats:
-            stats["clip/low"] = (ratio < 1.0 - self.eps_low) & (advantages < 0)
-            stats["clip/high"] = (ratio > 1.0 + self.eps_high) & (advantages > 0)
+        loss, stats = clipped_surrogate(
+            ratio, advantages, 1.0 - self.eps_low, 1.0 + self.eps_high, ctx.with_stats, unclipped
+        )
         if self.dual_clip is not None:
             cap = -self.dual_clip * advantages  # c·|A| for A < 0
             capped = (advantages < 0) & (loss > cap)
