@@ -64,7 +64,14 @@ def softtrust_loss_and_grad(spec: dict) -> tuple[float, torch.Tensor]:
 
 def test_recording_covers_every_peer():
     peers = {case["peer"] for case in CASES}
-    assert peers == {"verl:vanilla", "verl:gspo", "verl:cispo", "verl:sapo", "verl:geo_mean", "official-vespo"}
+    assert peers == {
+        "verl:vanilla",
+        "verl:gspo",
+        "verl:cispo",
+        "verl:sapo",
+        "verl:geo_mean",
+        "official-vespo",
+    }
     assert DATA["verl"] == "0.9.1"
     # the inputs exercise what they claim: a masked entry, an empty row, both advantage signs
     assert not INPUTS["mask"].all() and not INPUTS["mask"][4].any()

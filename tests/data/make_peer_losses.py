@@ -45,7 +45,13 @@ import torch
 
 B, T = 5, 8
 OUT = Path(__file__).with_name("peer_losses.json")
-AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATIONS = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 TIS_CAP = 2.0
 ICEPOP = (0.5, 2.0)
 
@@ -179,7 +185,9 @@ def verl_cases(inputs) -> list[dict]:
                         get_policy_loss_fn(mode), inputs, weights, aggregation, _actor_config(fields, info)
                     )
                     cases.append(
-                        _case(f"verl:{mode}", method, params, aggregation, normalisers, correction, loss, grad)
+                        _case(
+                            f"verl:{mode}", method, params, aggregation, normalisers, correction, loss, grad
+                        )
                         | {"verl": {"loss_mode": mode, "fields": fields, "global_batch_info": info}}
                     )
     # geo_mean: its own mean over the B sequences of the micro-batch, no global normalisers
@@ -192,7 +200,16 @@ def verl_cases(inputs) -> list[dict]:
         )
         normalisers = {"num_tokens": None, "num_sequences": B, "scale": 1}
         cases.append(
-            _case("verl:geo_mean", "gmpo", {"eps": 0.4}, "seq-mean-token-mean", normalisers, correction, loss, grad)
+            _case(
+                "verl:geo_mean",
+                "gmpo",
+                {"eps": 0.4},
+                "seq-mean-token-mean",
+                normalisers,
+                correction,
+                loss,
+                grad,
+            )
             | {"verl": {"loss_mode": "geo_mean", "fields": fields, "global_batch_info": {}}}
         )
     return cases
@@ -259,7 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=None, separators=(",", ":")) + "\n")
     os.replace(tmp, args.out)  # atomic: never a half-written file
-    print(f"wrote {len(cases)} cases to {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
+    print(
+        f"wrote {len(cases)} cases to {args.out} ({args.out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr
+    )
 
 
 if __name__ == "__main__":
