@@ -274,15 +274,16 @@ def test_metrics_are_floats_from_tensors_or_floats():
 
 def test_hydra_override_example_from_the_docs():
     """The override lines of docs/verl.md compose with verl's own config and give a SoftTrustPolicyLossConfig."""
+    block = (Path(__file__).parents[1] / "docs" / "verl.md").read_text().split("```")[1]
     overrides = [
-        line.strip().rstrip("\\").strip()
-        for line in (Path(__file__).parents[1] / "docs" / "verl.md").read_text().split("```")[1].splitlines()
-        if line.strip().startswith(("actor_rollout_ref.actor.", "+actor_rollout_ref.actor."))
+        line.strip().rstrip("\\").strip().strip("'")
+        for line in block.splitlines()[1:]
+        if "=" in line and "main_ppo" not in line
     ]
     assert any("_target_" in line for line in overrides)
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose("ppo_trainer", overrides=[*overrides, "actor_rollout_ref.rollout.n=4"])
+        cfg = compose("ppo_trainer", overrides=overrides)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor.policy_loss, st_verl.SoftTrustPolicyLossConfig)
     assert actor.policy_loss.loss_mode == "softtrust.vespo"
