@@ -291,3 +291,54 @@ def test_hydra_override_example_from_the_docs():
     assert params == {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}
     assert options["rollout_is"] == "token"
     get_policy_loss_fn(actor.policy_loss.loss_mode)  # registered under that name
+
+
+def test_verl_ppo_loss_step_with_softtrust_vespo():
+    """verl's own actor loss step (workers.utils.losses.ppo_loss, what the FSDP engine calls per
+    micro-batch) with loss_mode=softtrust.vespo: global_batch_info comes from the batch, the
+    log-probs from the model's flat (unpadded) output, and loss and gradient equal PolicyLoss."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+
+    gen = torch.Generator().manual_seed(0)
+    B, P, T = 3, 3, 5
+    lengths = [5, 3, 4]
+    mask = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    logp = -2 * torch.rand(B, T, generator=gen, dtype=torch.float64)
+    old = logp + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    advantages = torch.tensor([1.0, -0.5, 0.7], dtype=torch.float64)
+    # the model's output: one flat row of prompt + response log-probs, responses shifted by one
+    segments = []
+    for i, n in enumerate(lengths):
+        segment = -torch.rand(P + n, generator=gen, dtype=torch.float64)
+        segment[P - 1 : P - 1 + n] = logp[i, :n]
+        segments.append(segment)
+    flat = torch.cat(segments).requires_grad_(True)
+    data = tu.get_tensordict(
+        tensor_dict={
+            "prompts": torch.ones(B, P, dtype=torch.long),
+            "responses": torch.ones(B, T, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(B, P, dtype=torch.long), mask.long()], dim=1),
+            "response_mask": mask.long(),
+            "old_log_probs": old,
+            "advantages": advantages[:, None] * mask,
+        },
+        non_tensor_dict={"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": B},
+    )
+    config = FSDPActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        policy_loss=st_verl.SoftTrustPolicyLossConfig(loss_mode="softtrust.vespo"),
+    )
+    loss, metrics = ppo_loss(config, {"log_probs": flat}, data)
+    (flat_grad,) = torch.autograd.grad(loss, flat)
+    leaf = logp.clone().requires_grad_(True)
+    expected = st.PolicyLoss("vespo")(leaf, old, advantages, mask)
+    (expected_grad,) = torch.autograd.grad(expected.loss, leaf)
+    assert loss.item() == pytest.approx(expected.loss.item(), abs=1e-12)
+    offset = 0
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(flat_grad[offset + P - 1 : offset + P - 1 + n], expected_grad[i, :n])
+        offset += P + n
+    assert "actor/softtrust/phi/mean" in metrics and "actor/pg_loss" in metrics
