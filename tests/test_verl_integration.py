@@ -123,7 +123,7 @@ def test_softtrust_loss_mode_matches_recorded_peer(case):
     correction = spec["correction"]
     weights = verl_weights(correction)
     softtrust = {} if correction is None else {"rollout_is": correction["level"]}
-    fields = {k: v for k, v in setup["fields"].items() if spec["method"] != "gmpo" or k.startswith("clip")}
+    fields = setup["fields"]
     info = setup["global_batch_info"]
     if setup["loss_mode"] == "geo_mean":  # its mean counts every row, as a run's global_batch_size does
         info = {"global_batch_size": INPUTS["mask"].shape[0]}
@@ -342,3 +342,17 @@ def test_verl_ppo_loss_step_with_softtrust_vespo():
         torch.testing.assert_close(flat_grad[offset + P - 1 : offset + P - 1 + n], expected_grad[i, :n])
         offset += P + n
     assert "actor/softtrust/phi/mean" in metrics and "actor/pg_loss" in metrics
+
+
+def test_a_loss_that_cannot_be_built_refuses_every_name_and_warns(monkeypatch):
+    def broken(method):
+        raise ValueError(f"cannot build {method}")
+
+    monkeypatch.setattr(st_verl, "policy_loss_fn", broken)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert st_verl.register() == st_verl.REGISTERED
+    with pytest.raises(RuntimeError, match="cannot build"):
+        run(get_policy_loss_fn("softtrust.clip"), "token-mean", actor_config(), None)
+    monkeypatch.undo()
+    st_verl.register()
+    run(get_policy_loss_fn("softtrust.clip"), "token-mean", actor_config(), None)

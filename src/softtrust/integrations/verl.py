@@ -312,11 +312,11 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
         if num_sequences is None and loss_agg_mode.startswith("seq-mean"):
             active = int((response_mask.sum(dim=-1) > 0).sum())  # verl counts sequences with an active token
             num_sequences = active if active > 0 else None
-        loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), None)
-        rollout = None
+        rollout, level = None, None
+        if rollout_is_weights is not None:  # folded into W (VESPO) at their level, else a per-token factor
+            level = _rollout_is_level(config, options) if METHODS[method].folds_correction else "token"
+        loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
         if rollout_is_weights is not None:
-            level = _rollout_is_level(config, options) if loss_fn.method.folds_correction else "token"
-            loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
             rollout = _weights_as_rollout_logprobs(
                 old_log_prob, rollout_is_weights, response_mask, level, loss_fn.log_ratio_clamp
             )
@@ -344,9 +344,9 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
     return compute_policy_loss
 
 
-def _unsupported(version: str) -> Callable[..., Any]:
+def _refuse(message: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(_version_message(version))
+        raise RuntimeError(message)
 
     return refuse
 
@@ -362,19 +362,23 @@ def register() -> list[str]:
     """Register ``softtrust.<name>`` for every method in :data:`softtrust.METHODS`; return the names.
 
     All functions are built before the registry is touched, then added in one update, so
-    an error leaves nothing half-registered. With an unsupported verl version every name
-    is registered to a function that raises a ``RuntimeError`` naming both versions, and a
-    warning says so at load (verl logs a plugin's own errors only at debug level).
+    an error leaves nothing half-registered. With an unsupported verl version (or if
+    building fails) every name is registered to a function that raises a ``RuntimeError``
+    saying why (naming both versions), and a warning says so at load: verl logs a plugin's
+    own errors only at debug level.
     Idempotent: registering again replaces the same names.
     """
     version = getattr(verl, "__version__", "unknown")
-    if version in SUPPORTED_VERL_VERSIONS:
-        functions = {loss_mode(name): policy_loss_fn(name) for name in METHODS}
-    else:
-        message = _version_message(version)
+    message = None if version in SUPPORTED_VERL_VERSIONS else _version_message(version)
+    if message is None:
+        try:
+            functions = {loss_mode(name): policy_loss_fn(name) for name in METHODS}
+        except Exception as error:  # verl would swallow it at debug level: say it, refuse at use
+            message = f"softtrust's verl losses could not be built ({error!r}): the softtrust.* loss modes refuse to run"
+    if message is not None:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         _logger.warning(message)
-        functions = {loss_mode(name): _unsupported(version) for name in METHODS}
+        functions = {loss_mode(name): _refuse(message) for name in METHODS}
     core_algos.POLICY_LOSS_REGISTRY.update(functions)
     return sorted(functions)
 
