@@ -356,3 +356,15 @@ def test_a_loss_that_cannot_be_built_refuses_every_name_and_warns(monkeypatch):
     monkeypatch.undo()
     st_verl.register()
     run(get_policy_loss_fn("softtrust.clip"), "token-mean", actor_config(), None)
+
+
+def test_a_verl_of_another_layout_warns_at_load(tmp_path):
+    """A verl without 0.9.1's modules: a warning naming both versions, then the ImportError (no registry)."""
+    (tmp_path / "verl").mkdir()
+    (tmp_path / "verl" / "__init__.py").write_text('__version__ = "0.7.0"\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    code = "import softtrust.integrations.verl"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode != 0
+    assert "support verl 0.9.1, but verl 0.7.0 is installed" in out.stderr
+    assert "RuntimeWarning" in out.stderr

@@ -37,22 +37,42 @@ from typing import Any
 
 import torch
 
-try:
-    import verl
-    from verl.trainer.ppo import core_algos
-    from verl.workers.config import PolicyLossConfig
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "softtrust.integrations.verl needs verl (and what it imports: ray, tensordict, hydra-core, "
-        "codetiming); install verl 0.9.1 with `pip install 'softtrust[verl]'`"
-    ) from error
-
 from softtrust.corrections import MIS
 from softtrust.loss import PolicyLoss
 from softtrust.methods import METHODS
 from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP
 
 SUPPORTED_VERL_VERSIONS = ("0.9.1",)
+_logger = logging.getLogger(__name__)
+
+
+def _version_message(version: str) -> str:
+    return (
+        f"softtrust's verl losses support verl {', '.join(SUPPORTED_VERL_VERSIONS)}, but verl {version} is "
+        f"installed: the softtrust.* loss modes refuse to run; install verl=={SUPPORTED_VERL_VERSIONS[-1]}"
+    )
+
+
+def _warn(message: str) -> None:
+    """Say it twice (a warning and a log line): verl logs a plugin's own errors at debug level only."""
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    _logger.warning(message)
+
+
+try:
+    import verl
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "softtrust.integrations.verl needs verl (and what it imports: ray, tensordict, hydra-core, "
+        "codetiming); install verl 0.9.1 with `pip install 'softtrust[verl]'`"
+    ) from error
+try:
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import PolicyLossConfig
+except ImportError as error:  # pragma: no cover - a verl whose layout differs from 0.9.1's
+    _warn(f"{_version_message(getattr(verl, '__version__', 'unknown'))} ({error})")
+    raise
+
 PREFIX = "softtrust."
 #: keys of ``policy_loss.softtrust`` that are not method parameters
 OPTIONS = ("level", "log_ratio_clamp", "rollout_is")
@@ -69,8 +89,6 @@ __all__ = [
     "policy_loss_fn",
     "register",
 ]
-
-_logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -351,13 +369,6 @@ def _refuse(message: str) -> Callable[..., Any]:
     return refuse
 
 
-def _version_message(version: str) -> str:
-    return (
-        f"softtrust's verl losses support verl {', '.join(SUPPORTED_VERL_VERSIONS)}, but verl {version} is "
-        f"installed: the softtrust.* loss modes refuse to run; install verl=={SUPPORTED_VERL_VERSIONS[-1]}"
-    )
-
-
 def register() -> list[str]:
     """Register ``softtrust.<name>`` for every method in :data:`softtrust.METHODS`; return the names.
 
@@ -376,8 +387,7 @@ def register() -> list[str]:
         except Exception as error:  # verl would swallow it at debug level: say it, refuse at use
             message = f"softtrust's verl losses could not be built ({error!r}): the softtrust.* loss modes refuse to run"
     if message is not None:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        _logger.warning(message)
+        _warn(message)
         functions = {loss_mode(name): _refuse(message) for name in METHODS}
     core_algos.POLICY_LOSS_REGISTRY.update(functions)
     return sorted(functions)
