@@ -261,11 +261,15 @@ def _correction(level: str, clamp: float) -> MIS:
 _CACHE: dict[tuple, PolicyLoss] = {}
 
 
+def _clamp(options: dict[str, Any]) -> float:
+    return float(options.get("log_ratio_clamp", DEFAULT_LOG_RATIO_CLAMP))
+
+
 def _build(
     method: str, params: dict, options: dict, aggregation: str, horizon, correction_level
 ) -> PolicyLoss:
     """One PolicyLoss per distinct setting (construction checks every argument; kept, not rebuilt per call)."""
-    clamp = float(options.get("log_ratio_clamp", DEFAULT_LOG_RATIO_CLAMP))
+    clamp = _clamp(options)
     key = (
         method,
         repr(sorted(params.items())),
@@ -336,7 +340,7 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
         loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
         if rollout_is_weights is not None:
             rollout = _weights_as_rollout_logprobs(
-                old_log_prob, rollout_is_weights, response_mask, level, loss_fn.log_ratio_clamp
+                old_log_prob, rollout_is_weights, response_mask, level, _clamp(options)
             )
         out = loss_fn(
             log_prob,
