@@ -1,7 +1,7 @@
 """Peer parity from recorded data: softtrust's PolicyLoss against verl 0.9.1 and the official VESPO.
 
 ``tests/data/peer_losses.json`` holds fixed float64 inputs and, per case, the loss and
-gradient that a peer computed on them (verl's vanilla, gspo, cispo, sapo and geo_mean
+gradient that a peer computed on them (verl's vanilla, gspo, cispo, gpg, sapo and geo_mean
 losses, in the aggregation each applies, and the official VESPO function), with the
 softtrust spelling of the same loss. It was produced by running the peers:
 ``tests/data/make_peer_losses.py`` (its docstring has the command). No peer is needed here.
@@ -69,6 +69,7 @@ def test_recording_covers_every_peer():
         "verl:gspo",
         "verl:cispo",
         "verl:sapo",
+        "verl:gpg",
         "verl:geo_mean",
         "official-vespo",
     }

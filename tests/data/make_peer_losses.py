@@ -21,6 +21,7 @@ clip range):
 | ``vanilla`` (dual-clip)  | ``clip`` (``dual_clip=c``)  | all five, local and global normalisers  | none, token TIS, sequence TIS, token IcePop |
 | ``gspo``                 | ``gspo``                    | all five, local and global              | none, sequence TIS (token: see below) |
 | ``cispo``                | ``cispo`` (1 ± ε bounds)    | all five, local and global              | none, token TIS, sequence TIS |
+| ``gpg``                  | ``reinforce``               | all five, local and global              | none, token TIS, sequence TIS |
 | ``sapo``                 | ``sapo``                    | seq-mean-token-mean (hard-coded by verl), local and global | none, token TIS, sequence TIS |
 | ``geo_mean``             | ``gmpo``                    | mean over the micro-batch's B sequences (hard-coded) | none, sequence TIS |
 | official VESPO           | ``vespo`` (sequence-sum)    | token-mean, seq-mean-token-mean, seq-mean-token-sum (local) | none, token TIS |
@@ -157,6 +158,13 @@ VERL_PEERS = {
         "cispo",
         {"ratio_low": 0.8, "ratio_high": 1.28},
         {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28},
+        AGGREGATIONS,
+        [(None, None), ("tis", "token"), ("tis", "sequence")],
+    ),
+    "gpg": (
+        "reinforce",
+        {},
+        {},
         AGGREGATIONS,
         [(None, None), ("tis", "token"), ("tis", "sequence")],
     ),
