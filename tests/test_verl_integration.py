@@ -368,3 +368,21 @@ def test_a_verl_of_another_layout_warns_at_load(tmp_path):
     assert out.returncode != 0
     assert "support verl 0.9.1, but verl 0.7.0 is installed" in out.stderr
     assert "RuntimeWarning" in out.stderr
+
+
+def test_rejected_weights_stay_zero_with_a_small_log_ratio_clamp():
+    """IcePop's zero weights are exact zeros also when log_ratio_clamp is small (e^-5 is not 1e-8)."""
+    (case,) = [
+        c
+        for c in DATA["cases"]
+        if c["peer"] == "verl:vanilla"
+        and c["softtrust"]["aggregation"] == "token-mean"
+        and not c["verl"]["global_batch_info"]
+        and (c["softtrust"]["correction"] or {}).get("kind") == "MIS"
+    ]
+    weights = verl_weights(case["softtrust"]["correction"])
+    assert (weights[INPUTS["mask"]] == 0).any()  # the case really rejects tokens
+    config = actor_config(case["verl"]["fields"], softtrust={"log_ratio_clamp": 5.0})
+    loss, grad, _ = run(get_policy_loss_fn("softtrust.clip"), "token-mean", config, weights)
+    assert loss.item() == pytest.approx(case["loss"], abs=1e-9)
+    torch.testing.assert_close(grad, torch.tensor(case["grad"], dtype=torch.float64), atol=1e-9, rtol=1e-9)

@@ -251,11 +251,14 @@ def _weights_as_rollout_logprobs(
 
 
 def _correction(level: str, clamp: float) -> MIS:
-    """ρ·1[ρ >= 1e-8]: verl's weight itself, with weights below 1e-8 (and verl's zeros) exactly 0.
+    """ρ·1[ρ >= low]: verl's weight itself; weights below ``low`` (and verl's zeros) exactly 0.
 
-    ``ρ <= e^clamp`` always (log-ratios are clamped), so the upper bound never acts.
+    ``low = max(1e-8, e^-clamp)`` (just above): a zero arrives as ``log ρ = -clamp``, and a
+    weight below ``e^-clamp`` would be clamped up to it, so both become 0 rather than
+    ``e^-clamp``. ``ρ <= e^clamp`` always (log-ratios are clamped): the upper bound never acts.
     """
-    return MIS(low=1e-8, high=math.exp(clamp + 1.0), level=level)
+    low = max(1e-8, math.exp(-clamp) * (1.0 + 1e-6))
+    return MIS(low=low, high=math.exp(clamp + 1.0), level=level)
 
 
 _CACHE: dict[tuple, PolicyLoss] = {}
