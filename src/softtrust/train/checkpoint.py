@@ -22,43 +22,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_file, save_model
 
+from softtrust._runfiles import atomic_write_text, fsync_directory
+
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 
 
-def _fsync_directory(path: Path) -> None:
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
 
 
 def checkpoint_name(step: int) -> str:
@@ -101,7 +74,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    _fsync_directory(checkpoint_root)
+    fsync_directory(checkpoint_root)
     atomic_write_text(checkpoint_root / LATEST_FILE, final.name + "\n")
     _prune(checkpoint_root, keep)
     return final
