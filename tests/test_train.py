@@ -20,7 +20,7 @@ from softtrust.train import checkpoint as checkpoint_module
 from softtrust.train import staleness as staleness_module
 from softtrust.train import trainer as trainer_module
 from softtrust.train.checkpoint import find_checkpoint, load_checkpoint
-from softtrust.train.config import TrainConfig
+from softtrust.train.config import TrainConfig, load_resume_config
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from softtrust.train.trainer import TrainingStopped, train
 
@@ -232,7 +232,7 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_mo
         f"""
         import os, torch
         from softtrust.train import checkpoint
-        from softtrust.train.config import TrainConfig
+        from softtrust.train.config import TrainConfig, load_resume_config
         from softtrust.train.trainer import train
 
         real_save, calls = torch.save, []
@@ -263,7 +263,7 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_mo
     state = load_checkpoint(found, model)
     assert state["step"] == 2
     # ... and the run resumes from it to the end.
-    summary = train(micro_config(micro_model_dir, output_dir, max_steps=4, resume=str(output_dir)))
+    summary = train(load_resume_config({"resume": str(output_dir), "max_steps": 4}))
     assert summary["steps"] == 4
     assert summary["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     assert not list((output_dir / "checkpoints").glob(".tmp-*"))
