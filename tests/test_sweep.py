@@ -484,3 +484,53 @@ def test_report_tables_mark_cells_with_fewer_seeds_than_the_grid():
     assert format_stat(three, seeds=5) == "60.0 ± 24.8 (n = 3)"
     assert format_stat(one, seeds=5) == "50.0 (n = 1)"
     assert format_stat(mean_std_ci([]), seeds=5) == "—"
+
+
+# ---------------------------------------------------------------------- cells own their directories
+def test_two_method_labels_with_one_directory_are_refused_before_any_run(sweep_env, tmp_path, capsys):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(sweep_env, output, "vespo,vespo[]", "1")) == 2
+    assert "methods: 'vespo' and 'vespo[]' are the same cell directory" in capsys.readouterr().err
+    assert cells_run(output) == []
+
+
+def cell_metrics(output: Path, cell: str) -> list[dict]:
+    return [json.loads(line) for line in (output / "runs" / cell / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_interrupted_sync_cell_resumes_to_the_straight_result(sweep_env, tmp_path):
+    """k + k steps with a resume = 2k straight, for a sweep cell: N = 3, interrupted after its
+    step-2 checkpoint (inside a rollout), then resumed by the sweep to 4 steps."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(sweep_argv(sweep_env, straight, "vespo", "3")) == 0
+    assert main(sweep_argv(sweep_env, resumed, "vespo", "3", "--max-steps", "2", "--save-every", "2")) == 0
+    (resumed / "runs" / "vespo" / "N3" / "seed0" / "summary.json").unlink()  # as if killed after the save
+    assert main(sweep_argv(sweep_env, resumed, "vespo", "3", "--save-every", "2")) == 0
+    events = [
+        json.loads(line)
+        for line in (resumed / "runs" / "vespo" / "N3" / "seed0" / "events.jsonl").read_text().splitlines()
+    ]
+    assert any(event.get("resumed_from", "").endswith("step-000002") for event in events)
+    cell = "vespo/N3/seed0"
+    assert [m["step"] for m in cell_metrics(resumed, cell)] == [1, 2, 3, 4]
+    for key in ("reward/mean", "loss", "grad_norm"):
+        assert [m[key] for m in cell_metrics(resumed, cell)] == [m[key] for m in cell_metrics(straight, cell)]
+    a = load_file(str(straight / "runs" / cell / "final" / "model.safetensors"))
+    b = load_file(str(resumed / "runs" / cell / "final" / "model.safetensors"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bitwise
+
+
+def test_interrupted_async_cell_resumes(sweep_env, tmp_path):
+    """The concurrent async worker: an interrupted cell resumes (it crashed with KeyError: 'history')."""
+    output = tmp_path / "sweep"
+    argv = ["--mode", "async", "--save-every", "2"]
+    assert main(sweep_argv(sweep_env, output, "clip", "1", *argv, "--max-steps", "2")) == 0
+    (output / "runs" / "clip" / "K1" / "seed0" / "summary.json").unlink()
+    assert main(sweep_argv(sweep_env, output, "clip", "1", *argv)) == 0
+    metrics = cell_metrics(output, "clip/K1/seed0")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(0 <= m["lag"] <= 1 for m in metrics)
+    assert metrics[2]["policy_version"] == 2  # restarted from the learner's step-2 weights
+    summary = json.loads((output / "runs" / "clip" / "K1" / "seed0" / "summary.json").read_text())
+    assert summary["steps"] == 4

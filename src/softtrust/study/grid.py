@@ -67,6 +67,14 @@ def split_methods(text: str) -> list[MethodSpec]:
     labels = [spec.label for spec in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"methods: repeated method {labels}")
+    by_slug: dict[str, str] = {}
+    for spec in specs:  # two labels, one directory (e.g. 'vespo' and 'vespo[]'): their runs would mix
+        if spec.slug in by_slug:
+            raise ValueError(
+                f"methods: {by_slug[spec.slug]!r} and {spec.label!r} are the same cell directory "
+                f"({spec.slug!r}); give each method once"
+            )
+        by_slug[spec.slug] = spec.label
     return specs
 
 
