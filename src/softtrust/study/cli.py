@@ -6,8 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
 from .grid import LR_AXIS_FIELD, Sweep, parse_int_list, parse_lrs, parse_seeds, split_methods
 from .presets import PRESETS
 
@@ -67,7 +65,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell)."""
     import argparse
 
-    from softtrust.train.config import add_config_arguments, config_from_arguments
+    from softtrust.train.config import add_config_arguments, config_from_arguments, load_yaml_mapping
 
     train_parser = argparse.ArgumentParser(prog="softtrust sweep", add_help=False, allow_abbrev=False)
     add_config_arguments(train_parser)
@@ -80,7 +78,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     overrides_config = config_from_arguments(train_arguments)
     from_file = set()
     if train_arguments.config:
-        from_file = set(yaml.safe_load(Path(train_arguments.config).read_text()) or {})
+        from_file = set(load_yaml_mapping(train_arguments.config))
     overrides = {
         key: value
         for key, value in overrides_config.to_dict().items()
