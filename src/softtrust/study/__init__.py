@@ -27,7 +27,9 @@ staleness should keep its stable range as N grows.
 Resumption: a cell is not run again when its run directory has a ``summary.json`` for
 the requested number of steps, or when it stopped on its own (too many non-finite
 updates, exit code 3: a deterministic outcome, reported as a collapse). A cell that was
-interrupted resumes from its last checkpoint, or starts over when it has none. A cell
+interrupted resumes from its last checkpoint (any mode, the concurrent async worker
+included), or starts over when it has none: the sweep owns its cells' directories and clears
+such a cell's directory itself before the new run (which would refuse a directory holding a run). A cell
 that was run with other settings (say another ``--lr``) stops the sweep with a message
 naming them, rather than mixing old and new results in one table.
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from softtrust._runfiles import atomic_write_json
+from softtrust.train.checkpoint import find_checkpoint
 from softtrust.train.config import TrainConfig
 
 from .grid import Cell, Sweep
@@ -40,14 +41,17 @@ def cell_status(directory: Path, max_steps: int) -> str:
 
 
 def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
-    """Launch one ``softtrust train`` process for ``cell`` (resuming its checkpoint if any)."""
+    """Launch one ``softtrust train`` process for ``cell``: it resumes the cell's run from its last
+    complete checkpoint; a cell without one starts over, in a directory the sweep clears itself
+    (the sweep owns its cells' directories; a new run refuses one that holds a run)."""
     directory = cell.directory(sweep.output_dir)
     config = sweep.cell_config(cell)
     if directory.exists():
-        if (directory / "checkpoints" / "latest").is_file():
+        try:
+            find_checkpoint(directory)
             config = config.replace(resume=str(directory))
-        else:
-            shutil.rmtree(directory)  # interrupted before its first checkpoint: start over
+        except ValueError:  # interrupted before its first complete checkpoint
+            shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
     request = directory / "sweep-cell.yaml"
     request.write_text(config.to_yaml())
