@@ -122,6 +122,23 @@ def not_a_causal_lm(tmp_path: Path) -> str:
         (["--correction", "ipw"], "correction"),
         (["--mode", "eventually"], "mode"),
         (["--sft-target-accuracy", "1.5"], "sft_target_accuracy"),
+        # every numeric option is finite and in range, checked before any file is written
+        (["--lr", "inf"], "lr"),
+        (["--lr", "nan"], "lr"),
+        (["--weight-decay", "inf"], "weight_decay"),
+        (["--weight-decay=-0.1"], "weight_decay"),
+        (["--sft-lr", "inf"], "sft_lr"),
+        (["--sft-lr", "0"], "sft_lr"),
+        (["--sft-batch-size", "0"], "sft_batch_size"),
+        (["--temperature", "inf"], "temperature"),
+        (["--kl-coef", "nan"], "kl_coef"),
+        (["--max-grad-norm=-inf"], "max_grad_norm"),
+        (["--warmup-steps=-1"], "warmup_steps"),
+        (["--staleness", "2.7"], "staleness"),
+        (["--seed=-1"], "seed"),
+        (["--eval-size", "0"], "eval_size"),
+        (["--output-dir", ""], "output_dir"),
+        (["--task", "addition-1digit"], "eval_size"),  # 100 problems, 512 held out: none left to train on
     ],
 )
 def test_bad_configuration_fails_before_any_work_naming_the_field(argv, field, tmp_path, capsys):
@@ -130,7 +147,7 @@ def test_bad_configuration_fails_before_any_work_naming_the_field(argv, field, t
         for item in argv
     ]
     output_dir = tmp_path / "run"
-    code = main(["train", *argv, "--output-dir", str(output_dir), "--cache-dir", str(tmp_path / "cache")])
+    code = main(["train", "--output-dir", str(output_dir), *argv, "--cache-dir", str(tmp_path / "cache")])
     assert code == 2
     message = capsys.readouterr().err
     assert f"error: {field}:" in message, message
@@ -142,3 +159,88 @@ def test_unknown_yaml_field_is_rejected_by_name(tmp_path, capsys):
     path.write_text("stalenes: 4\n")
     assert main(["train", "--config", str(path)]) == 2
     assert "stalenes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "field"),
+    [
+        ("lr: .inf\n", "lr"),
+        ("weight_decay: .inf\n", "weight_decay"),
+        ("sft_batch_size: 0\n", "sft_batch_size"),
+        ("staleness: 2.7\n", "staleness"),  # was truncated to 2
+        ("staleness: true\n", "staleness"),  # was read as 1
+        ("group_size: '8.0'\n", "group_size"),
+        ("strict_reward: 1\n", "strict_reward"),
+        ("method: 1\n", "method"),
+        ("method_params: 5\n", "method_params"),
+        ("lag_schedule: [0, 1.5]\n", "lag_schedule"),
+        ("lr: null\n", "lr"),
+        ("max_steps: [4]\n", "max_steps"),
+    ],
+)
+def test_yaml_values_are_checked_like_the_flags(yaml_text, field, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml_text)
+    output_dir = tmp_path / "run"
+    assert main(["train", "--config", str(path), "--output-dir", str(output_dir)]) == 2
+    err = capsys.readouterr().err
+    assert f"softtrust train: error: {field}:" in err, err
+    assert "Traceback" not in err and not output_dir.exists()
+
+
+def test_yaml_numbers_written_as_text_read_like_flags(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("lr: 3e-4\nstaleness: '4'\nlag_schedule: 0,1\n")  # PyYAML reads 3e-4 as text
+    config = TrainConfig.from_yaml(path)
+    assert (config.lr, config.staleness, config.lag_schedule) == (3e-4, 4, [0, 1])
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("method: [unclosed\n", "config: "),
+        ("- 1\n- 2\n", "config: "),
+        (None, "config: cannot read"),
+    ],
+    ids=["malformed", "a-list", "missing"],
+)
+def test_a_bad_config_file_is_an_error_line_not_a_traceback(content, message, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_text(content)
+    assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"softtrust train: error: {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string"),
+        ('{"prompt": null, "answer": "1"}', "'prompt' must be a non-empty string"),
+        ('{"prompt": ["1+1="], "answer": "2"}', "'prompt' must be a non-empty string"),
+        ('{"prompt": "1+1=", "answer": null}', "'answer' must be a string or a finite number"),
+        ('{"prompt": "1+1=", "answer": {"v": 2}}', "'answer' must be a string or a finite number"),
+        ('{"prompt": "1+1=", "answer": true}', "'answer' must be a string or a finite number"),
+        ("[1, 2]", "expected a JSON object with 'prompt' and 'answer'"),
+    ],
+)
+def test_bad_dataset_values_are_refused_by_line(line, message, tmp_path, capsys):
+    dataset = tmp_path / "data.jsonl"
+    good = "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(40))
+    dataset.write_text(good + line + "\n")
+    output_dir = tmp_path / "run"
+    code = main(["train", "--dataset", str(dataset), "--eval-size", "4", "--output-dir", str(output_dir)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"softtrust train: error: dataset: {dataset}:41: {message}" in err, err
+    assert "Traceback" not in err and not output_dir.exists()
+
+
+def test_numeric_dataset_answers_are_read_as_text(tmp_path):
+    from softtrust.train.tasks import read_jsonl_problems
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "half", "answer": 0.5}\n')
+    assert [p.answer for p in read_jsonl_problems(path)] == ["2", "0.5"]

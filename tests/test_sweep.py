@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from softtrust.cli import main
-from softtrust.sweep import EXIT_STOPPED, CollapseCriterion, mean_std_ci, read_run, split_methods
+from softtrust.study import EXIT_STOPPED, CollapseCriterion, load_run, mean_std_ci, run_outcome, split_methods
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)
@@ -243,6 +243,10 @@ def write_run(
     return directory
 
 
+def read_run(directory: Path, max_steps: int, criterion: CollapseCriterion) -> dict:
+    return run_outcome(load_run(directory), max_steps, criterion)
+
+
 def test_only_finished_or_stopped_runs_report_a_best_accuracy(tmp_path):
     curve = [(0, 0.30), (16, 0.50), (32, 0.40)]
     done = {"steps": 32, "accuracy_before": 0.30, "accuracy_after": 0.40}
@@ -308,7 +312,7 @@ def test_mean_std_ci_uses_the_student_t_quantile():
 
 def test_async_mode_makes_the_lag_bound_the_grid_axis(sweep_env, tmp_path):
     from softtrust.cli import build_parser
-    from softtrust.sweep import sweep_from_arguments
+    from softtrust.study.cli import sweep_from_arguments
 
     argv = sweep_argv(sweep_env, tmp_path, "clip", "1", "--mode", "async", "--max-lag", "0,4")
     arguments, extra = build_parser().parse_known_args(argv)
@@ -351,7 +355,7 @@ def test_lr_axis_runs_every_rate_and_reports_the_largest_stable_one(sweep_env, t
 
 
 def test_largest_stable_lr_scans_upwards_and_stops_at_the_first_failure():
-    from softtrust.sweep import largest_stable_lr
+    from softtrust.study.analysis import largest_stable_lr
 
     def record(lr, complete=2, collapsed=0):
         return {"lr": lr, "runs_complete": complete, "collapsed_runs": collapsed}
@@ -376,7 +380,7 @@ def test_lr_and_lrs_together_or_bad_rates_are_refused(sweep_env, tmp_path, capsy
 
 def test_an_lr_flag_with_a_preset_that_has_an_lr_axis_is_refused(tmp_path):
     from softtrust.cli import build_parser
-    from softtrust.sweep import sweep_from_arguments
+    from softtrust.study.cli import sweep_from_arguments
 
     arguments, extra = build_parser().parse_known_args(
         ["sweep", "--preset", "lr-stability-long", "--lr", "3e-4", "--output-dir", str(tmp_path)]
@@ -391,7 +395,7 @@ def test_an_lr_flag_with_a_preset_that_has_an_lr_axis_is_refused(tmp_path):
 )
 def test_every_preset_builds_a_valid_grid(name, tmp_path):
     from softtrust.cli import build_parser
-    from softtrust.sweep import PRESETS, sweep_from_arguments
+    from softtrust.study.cli import PRESETS, sweep_from_arguments
 
     arguments, extra = build_parser().parse_known_args(
         ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
@@ -408,7 +412,7 @@ def test_every_preset_builds_a_valid_grid(name, tmp_path):
 def test_quick_preset_is_the_first_half_of_full_study_cells(tmp_path):
     """So the quick picture can be read against the full one cell by cell (docs/results.md)."""
     from softtrust.cli import build_parser
-    from softtrust.sweep import sweep_from_arguments
+    from softtrust.study.cli import sweep_from_arguments
 
     def configs(preset):
         argv = ["sweep", "--preset", preset, "--output-dir", str(tmp_path)]
@@ -438,7 +442,8 @@ def synthetic_report(finals: dict, seeds=(0, 1, 2)) -> dict:
 
 
 def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_zero():
-    from softtrust.sweep import _paired_table, paired_differences
+    from softtrust.study.analysis import paired_differences
+    from softtrust.study.markdown import _paired_table
 
     report = synthetic_report(
         {
@@ -472,10 +477,60 @@ def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_ze
 
 def test_report_tables_mark_cells_with_fewer_seeds_than_the_grid():
     """A partial grid (some seeds not run yet) must not read as the mean over every seed."""
-    from softtrust.sweep import format_stat
+    from softtrust.study.markdown import format_stat
 
     three, one = mean_std_ci([0.5, 0.6, 0.7]), mean_std_ci([0.5])
     assert format_stat(three, seeds=3) == "60.0 ± 24.8"
     assert format_stat(three, seeds=5) == "60.0 ± 24.8 (n = 3)"
     assert format_stat(one, seeds=5) == "50.0 (n = 1)"
     assert format_stat(mean_std_ci([]), seeds=5) == "—"
+
+
+# ---------------------------------------------------------------------- cells own their directories
+def test_two_method_labels_with_one_directory_are_refused_before_any_run(sweep_env, tmp_path, capsys):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(sweep_env, output, "vespo,vespo[]", "1")) == 2
+    assert "methods: 'vespo' and 'vespo[]' are the same cell directory" in capsys.readouterr().err
+    assert cells_run(output) == []
+
+
+def cell_metrics(output: Path, cell: str) -> list[dict]:
+    return [json.loads(line) for line in (output / "runs" / cell / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_interrupted_sync_cell_resumes_to_the_straight_result(sweep_env, tmp_path):
+    """k + k steps with a resume = 2k straight, for a sweep cell: N = 3, interrupted after its
+    step-2 checkpoint (inside a rollout), then resumed by the sweep to 4 steps."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(sweep_argv(sweep_env, straight, "vespo", "3")) == 0
+    assert main(sweep_argv(sweep_env, resumed, "vespo", "3", "--max-steps", "2", "--save-every", "2")) == 0
+    (resumed / "runs" / "vespo" / "N3" / "seed0" / "summary.json").unlink()  # as if killed after the save
+    assert main(sweep_argv(sweep_env, resumed, "vespo", "3", "--save-every", "2")) == 0
+    events = [
+        json.loads(line)
+        for line in (resumed / "runs" / "vespo" / "N3" / "seed0" / "events.jsonl").read_text().splitlines()
+    ]
+    assert any(event.get("resumed_from", "").endswith("step-000002") for event in events)
+    cell = "vespo/N3/seed0"
+    assert [m["step"] for m in cell_metrics(resumed, cell)] == [1, 2, 3, 4]
+    for key in ("reward/mean", "loss", "grad_norm"):
+        assert [m[key] for m in cell_metrics(resumed, cell)] == [m[key] for m in cell_metrics(straight, cell)]
+    a = load_file(str(straight / "runs" / cell / "final" / "model.safetensors"))
+    b = load_file(str(resumed / "runs" / cell / "final" / "model.safetensors"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bitwise
+
+
+def test_interrupted_async_cell_resumes(sweep_env, tmp_path):
+    """The concurrent async worker: an interrupted cell resumes (it crashed with KeyError: 'history')."""
+    output = tmp_path / "sweep"
+    argv = ["--mode", "async", "--save-every", "2"]
+    assert main(sweep_argv(sweep_env, output, "clip", "1", *argv, "--max-steps", "2")) == 0
+    (output / "runs" / "clip" / "K1" / "seed0" / "summary.json").unlink()
+    assert main(sweep_argv(sweep_env, output, "clip", "1", *argv)) == 0
+    metrics = cell_metrics(output, "clip/K1/seed0")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(0 <= m["lag"] <= 1 for m in metrics)
+    assert metrics[2]["policy_version"] == 2  # restarted from the learner's step-2 weights
+    summary = json.loads((output / "runs" / "clip" / "K1" / "seed0" / "summary.json").read_text())
+    assert summary["steps"] == 4

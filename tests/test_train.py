@@ -20,7 +20,7 @@ from softtrust.train import checkpoint as checkpoint_module
 from softtrust.train import staleness as staleness_module
 from softtrust.train import trainer as trainer_module
 from softtrust.train.checkpoint import find_checkpoint, load_checkpoint
-from softtrust.train.config import TrainConfig
+from softtrust.train.config import TrainConfig, load_resume_config
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from softtrust.train.trainer import TrainingStopped, train
 
@@ -33,9 +33,12 @@ MICRO = TinyModelConfig(
 
 @pytest.fixture(scope="module")
 def micro_model_dir(tmp_path_factory) -> str:
+    return write_micro_model(tmp_path_factory.mktemp("micro_model"))
+
+
+def write_micro_model(directory: Path) -> str:
     """A ~10k-parameter Qwen2 and the char tokenizer, saved with ``save_pretrained``, plus a
     JSONL dataset of single-digit sums next to them (``sums.jsonl``)."""
-    directory = tmp_path_factory.mktemp("micro_model")
     (directory / "sums.jsonl").write_text(
         "".join(
             json.dumps({"prompt": f"{i}+{j}=", "answer": f"{i + j:02d}"}) + "\n"
@@ -179,13 +182,53 @@ def test_async_fixed_lag_schedule_bounds_lag_and_uses_generation_logprobs(
     assert sum(lag > 0 and difference > 1e-3 for lag, difference in seen) >= 4
 
 
-def test_async_worker_thread_never_exceeds_max_lag(micro_model_dir, tmp_path):
+def independent_logprobs(model, batch) -> torch.Tensor:
+    """``[B, T]`` log-probs of the completion tokens from one plain full forward (no KV cache,
+    none of softtrust's log-prob code): log_softmax of the logits, gathered at the next token."""
+    ids, attention = batch.input_ids, batch.attention_mask
+    width = batch.completion_length
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits.double()
+    return torch.log_softmax(logits[:, -width - 1 : -1], -1).gather(-1, ids[:, -width:, None]).squeeze(-1)
+
+
+def test_async_worker_stays_within_max_lag_and_its_logprobs_are_those_of_the_version_it_claims(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    """The concurrent worker: every batch's behaviour log-probs equal the log-probs of the weights
+    of the version the batch claims (recomputed independently), and differ from other versions'."""
+    from transformers import AutoModelForCausalLM
+
+    weights, batches = {}, []
+    real_update = trainer_module.policy_update
+
+    def spy(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs):
+        weights[len(batches)] = {k: v.detach().clone() for k, v in policy.state_dict().items()}  # version s
+        batches.append(minibatch)
+        return real_update(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_update", spy)
     config = micro_config(micro_model_dir, tmp_path / "run", mode="async", max_lag=1, max_steps=8)
     train(config)
     metrics = read_metrics(tmp_path / "run")
     lags = [m["lag"] for m in metrics]
     assert len(lags) == 8 and max(lags) <= 1 and min(lags) >= 0
-    assert [m["policy_version"] for m in metrics] == [m["step"] - 1 - m["lag"] for m in metrics]
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
+    distinguished = 0
+    for step, minibatch in enumerate(batches):
+        version = minibatch.batch.policy_version
+        assert step - version == minibatch.lag == lags[step]
+        mask = minibatch.batch.completion_mask.bool()
+        model.load_state_dict(weights[version])
+        claimed = independent_logprobs(model, minibatch.batch)
+        assert float((claimed - minibatch.old_logprobs.double())[mask].abs().max()) < 1e-5, step
+        other = version + 1 if version + 1 in weights else version - 1
+        if other >= 0:
+            model.load_state_dict(weights[other])
+            wrong = independent_logprobs(model, minibatch.batch)
+            distinguished += float((wrong - minibatch.old_logprobs.double())[mask].abs().max()) > 1e-3
+    assert distinguished >= 6  # the check tells versions apart (lr 1e-2 moves the weights)
 
 
 def test_bf16_rollout_mismatch_feeds_the_correction_weights(micro_model_dir, tmp_path):
@@ -232,7 +275,7 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_mo
         f"""
         import os, torch
         from softtrust.train import checkpoint
-        from softtrust.train.config import TrainConfig
+        from softtrust.train.config import TrainConfig, load_resume_config
         from softtrust.train.trainer import train
 
         real_save, calls = torch.save, []
@@ -263,7 +306,7 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_mo
     state = load_checkpoint(found, model)
     assert state["step"] == 2
     # ... and the run resumes from it to the end.
-    summary = train(micro_config(micro_model_dir, output_dir, max_steps=4, resume=str(output_dir)))
+    summary = train(load_resume_config({"resume": str(output_dir), "max_steps": 4}))
     assert summary["steps"] == 4
     assert summary["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     assert not list((output_dir / "checkpoints").glob(".tmp-*"))
@@ -317,20 +360,36 @@ def model_parameters_from_dir(directory: str) -> dict[str, torch.Tensor]:
 
 
 def flaky_reward(completion: str, answer: str):
-    """A user reward that raises on some completions and returns a non-number on others."""
+    """A user reward that fails on some completions: raises on '1...', returns a string on
+    '0...', inf on '2...', True on '3...'; otherwise the completion's length / 3."""
     if completion.startswith("1"):
         raise RuntimeError("boom")
-    if completion.startswith("0"):
-        return "not a number"
-    return float(completion == answer)
+    special = {"0": "not a number", "2": float("inf"), "3": True}
+    return special.get(completion[:1], len(completion) / 3)
 
 
-def test_failing_reward_scores_zero_is_counted_and_strict_mode_raises(micro_model_dir, tmp_path):
+def flaky_expected(completion: str) -> float:
+    """What the scorer must make of ``flaky_reward``: 0 for every failure, else the value."""
+    return 0.0 if completion[:1] in ("0", "1", "2", "3") else len(completion) / 3
+
+
+def test_rewards_are_the_task_reward_of_the_decoded_completions_and_failures_score_zero(
+    micro_model_dir, tmp_path, monkeypatch
+):
     dataset = tmp_path / "data.jsonl"
     dataset.write_text(
         "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": f"{2 * i:02d}"}) + "\n" for i in range(10))
     )
-    # Random weights emit every character: some completions start with 0 or 1.
+    tokenizer = build_char_tokenizer()
+    batches = []
+    real_update = trainer_module.policy_update
+
+    def spy(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs):
+        batches.append(minibatch.batch)
+        return real_update(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "policy_update", spy)
+    # Random weights emit every character: completions start with every digit.
     config = micro_config(
         micro_model_dir,
         tmp_path / "run",
@@ -339,12 +398,74 @@ def test_failing_reward_scores_zero_is_counted_and_strict_mode_raises(micro_mode
         group_size=8,
         prompts_per_step=4,
         max_steps=3,
+        eval_size=4,
     )
     summary = train(config)
-    assert summary["reward_failures"] > 0
-    assert all(m["reward/mean"] >= 0 for m in read_metrics(tmp_path / "run"))
+    failures = 0
+    for batch, logged in zip(batches, read_metrics(tmp_path / "run"), strict=True):
+        mask = batch.completion_mask.bool()
+        completion_ids = batch.input_ids[:, -batch.completion_length :]
+        # the completions decoded again from the token ids, up to their first end of sequence
+        texts = [
+            tokenizer.decode(
+                [t for t, m in zip(ids, row, strict=True) if m and t != tokenizer.eos_token_id],
+                skip_special_tokens=True,
+            )
+            for ids, row in zip(completion_ids.tolist(), mask.tolist(), strict=True)
+        ]
+        assert texts == batch.completions
+        expected = torch.tensor([flaky_expected(text) for text in texts])
+        torch.testing.assert_close(batch.rewards, expected, rtol=0, atol=0)
+        assert logged["reward/mean"] == pytest.approx(float(expected.mean()), abs=1e-7)
+        failures += sum(text[:1] in ("0", "1", "2", "3") for text in texts)
+    assert failures > 0 and summary["reward_failures"] == failures
     with pytest.raises((RuntimeError, TypeError)):
         train(config.replace(output_dir=str(tmp_path / "strict"), strict_reward=True))
+
+
+@pytest.mark.parametrize("value", [float("inf"), "1.0", True, torch.tensor(1.0)], ids=repr)
+def test_an_invalid_reward_scores_zero_in_rl_and_counts_as_wrong_in_evaluation(micro_model_dir, value):
+    from transformers import AutoModelForCausalLM
+
+    from softtrust.train.rollout import RewardScorer, greedy_accuracy
+    from softtrust.train.tasks import Problem
+
+    class Task:
+        def reward(self, completion, answer):
+            return value
+
+    scorer = RewardScorer(Task())
+    assert scorer("x", "y") == 0.0 and scorer.failures == 1
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True)
+    problems = [Problem(f"{i}+1=", "x") for i in range(4)]
+    assert greedy_accuracy(model, build_char_tokenizer(), Task(), problems, 3) == 0.0
+    with pytest.raises(TypeError, match="expected a finite number"):
+        greedy_accuracy(model, build_char_tokenizer(), Task(), problems, 3, strict=True)
+
+
+def test_training_never_draws_a_held_out_problem_and_a_pool_too_small_is_refused(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    from softtrust.train.rollout import ProblemSampler
+    from softtrust.train.tasks import build_task, held_out_problems
+
+    drawn = []
+    real_draw = ProblemSampler.draw
+
+    def spy(self, count):
+        problems = real_draw(self, count)
+        drawn.extend(problem.prompt for problem in problems)
+        return problems
+
+    monkeypatch.setattr(ProblemSampler, "draw", spy)
+    config = micro_config(micro_model_dir, tmp_path / "run", eval_size=90, max_steps=3, staleness=2)
+    train(config)
+    task = build_task(None, config.dataset, "exact")
+    held_out = {p.prompt for p in held_out_problems(task, 90, seed=trainer_module.EVAL_SEED)}
+    assert len(drawn) == 4 * 2 and not set(drawn) & held_out  # 10 training problems left of 100
+    with pytest.raises(ValueError, match="eval_size: the task has 100 distinct problems"):
+        train(config.replace(eval_size=100, output_dir=str(tmp_path / "all-held-out")))
+    assert not (tmp_path / "all-held-out").exists()
 
 
 # ---------------------------------------------------------------------- outputs and --model

@@ -126,7 +126,9 @@ def aggregate(
     if per_token_loss.shape != mask.shape:
         per_token_loss = per_token_loss.expand(mask.shape)
     if isinstance(divisor, torch.Tensor) and divisor.dim() > 0:  # per-row divisors
-        per_row = (per_token_loss.unsqueeze(-2) @ mask.unsqueeze(-1)).squeeze(-1)  # [B, 1]: Σ_t m·ℓ, one pass
+        per_row = (per_token_loss * mask).sum(
+            dim=-1, keepdim=True
+        )  # [B, 1]: Σ_t m·ℓ (a batched GEMV is slower)
         return (per_row / divisor).sum()
     # one divisor for every token: a single dot product, whose backward is one multiply
     total = torch.dot(per_token_loss.reshape(-1), mask.reshape(-1))

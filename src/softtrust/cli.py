@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_sweep_parser(subcommands) -> None:
-    from softtrust.sweep import add_sweep_arguments
+    from softtrust.study.cli import add_sweep_arguments, run_sweep_command
 
     sweep_parser = subcommands.add_parser(
         "sweep",
@@ -49,29 +49,6 @@ def add_sweep_parser(subcommands) -> None:
     )
     add_sweep_arguments(sweep_parser)
     sweep_parser.set_defaults(handler=run_sweep_command, accepts_train_flags=True)
-
-
-def run_sweep_command(arguments: argparse.Namespace, extra: list[str]) -> int:
-    from softtrust.sweep import run_sweep, sweep_from_arguments, write_report
-
-    try:
-        sweep = sweep_from_arguments(arguments, extra)
-        if arguments.report_only:
-            write_report(sweep)
-            print(f"report written to {sweep.output_dir}")
-            return 0
-        result = run_sweep(sweep)
-    except ValueError as error:
-        print(f"softtrust sweep: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("softtrust sweep: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    print(
-        f"{len(result['ran'])} cell(s) run, {len(result['skipped'])} already done, "
-        f"{len(result['failed'])} failed; report: {sweep.output_dir / 'summary.md'}"
-    )
-    return 1 if result["failed"] else 0
 
 
 def run_train(arguments: argparse.Namespace) -> int:

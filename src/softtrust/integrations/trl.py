@@ -52,6 +52,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "softtrust.integrations.trl needs TRL and accelerate; install them with `pip install 'softtrust[trl]'`"
     ) from error
 
+from softtrust._metrics import reduction_of
 from softtrust.integrations.trl_config import from_trl_config, trl_normalisers
 from softtrust.loss import LossOutput, PolicyLoss
 
@@ -314,7 +315,8 @@ class SoftTrustGRPOTrainer(trl.GRPOTrainer):
 def reduce_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One value per metric name: min of ``*/min``, max of ``*/max``, mean of the rest.
 
-    NaN (a rank with nothing to measure, e.g. no active sequence) is ignored; a name
+    The rule per name is ``softtrust._metrics.reduction_of`` (the trainer's too). NaN (a rank
+    with nothing to measure, e.g. no active sequence) is ignored; a name
     that is NaN or absent everywhere else gives NaN, which TRL's ``log`` skips.
     """
     values: dict[str, list[float]] = {}
@@ -323,14 +325,7 @@ def reduce_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, float]:
             present = values.setdefault(name, [])
             if not math.isnan(value):
                 present.append(value)
-    reduced = {}
-    for name, present in values.items():
-        if not present:
-            reduced[name] = math.nan
-        elif name.endswith("/min"):
-            reduced[name] = min(present)
-        elif name.endswith("/max"):
-            reduced[name] = max(present)
-        else:
-            reduced[name] = sum(present) / len(present)
-    return reduced
+    reduce = {"min": min, "max": max, "mean": lambda present: sum(present) / len(present)}
+    return {
+        name: reduce[reduction_of(name)](present) if present else math.nan for name, present in values.items()
+    }

@@ -3,8 +3,10 @@
 Layout under ``<run>/checkpoints/``::
 
     step-000064/model.safetensors   the policy weights (safetensors)
-    step-000064/state.pt            optimizer, scheduler, RNG states, step, pending rollouts,
+    step-000064/state.pt            optimizer, scheduler, RNG states, step, the rollout source's state,
                                     counters (tensors and plain Python only: weights_only=True loads it)
+
+``save_state`` / ``restore_state`` take the trainer's ``TrainState`` (``state.py``).
     latest                          the name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary directory, flushed to disk, then renamed;
@@ -18,47 +20,26 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_model, save_file, save_model
+
+from softtrust._runfiles import atomic_write_text, fsync_directory
+
+from .distributed import full_optimizer_state, load_full_model_state, load_full_optimizer_state
+
+if TYPE_CHECKING:
+    from .state import TrainState
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 
 
-def _fsync_directory(path: Path) -> None:
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
 
 
 def checkpoint_name(step: int) -> str:
@@ -101,7 +82,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    _fsync_directory(checkpoint_root)
+    fsync_directory(checkpoint_root)
     atomic_write_text(checkpoint_root / LATEST_FILE, final.name + "\n")
     _prune(checkpoint_root, keep)
     return final
@@ -142,7 +123,10 @@ def find_checkpoint(path: str | Path) -> Path:
             return named
     complete = _complete_checkpoints(root)
     if not complete:
-        raise FileNotFoundError(f"resume: no complete checkpoint under {str(path)!r}")
+        raise ValueError(
+            f"resume: no complete checkpoint under {str(path)!r} (the run stopped before its first save); "
+            "start it again in a new --output-dir"
+        )
     return complete[-1]
 
 
@@ -155,17 +139,60 @@ def load_checkpoint(checkpoint: Path, model) -> dict:
     return torch.load(checkpoint / STATE_FILE, weights_only=True, map_location="cpu")
 
 
-def rng_state(generator: torch.Generator, python_rng) -> dict:
-    """Every random stream the trainer draws from."""
-    return {
-        "torch": torch.get_rng_state(),
-        "sampling": generator.get_state(),
-        "problems": python_rng.getstate(),
+def run_directory_of(path: str | Path) -> Path:
+    """The run directory of ``--resume PATH``: PATH itself (a run directory holds ``config.yaml``),
+    or the run that holds PATH when PATH is its ``checkpoints/`` or one checkpoint directory."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        return path
+    if path.name == "checkpoints" and (path.parent / "config.yaml").is_file():
+        return path.parent
+    if path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file():
+        return path.parent.parent
+    raise ValueError(
+        f"resume: {str(path)!r} is not a run directory (no config.yaml) nor a checkpoint inside one"
+    )
+
+
+def save_state(directory: Path, state: TrainState, config_yaml: str, keep: int) -> Path | None:
+    """Checkpoint ``state`` under ``directory/checkpoints``: every rank takes part in gathering
+    the weights and optimizer state, rank 0 writes. Returns the checkpoint (rank 0) or None."""
+    learner = state.learner
+    payload = {
+        "step": state.step,
+        "optimizer": full_optimizer_state(learner.policy, learner.optimizer, learner.world),
+        "scheduler": learner.scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "problems": state.sampler.rng.getstate()},
+        "rollouts": state.rollouts.state(),
+        "counters": state.counters(),
+        "config": config_yaml,
     }
+    model_state = learner.model_state()
+    path = None
+    if learner.world.is_main:
+        path = save_checkpoint(
+            directory / "checkpoints", state.step, learner.model, payload, keep=keep, model_state=model_state
+        )
+    learner.world.barrier()  # the checkpoint is complete before anyone moves on
+    return path
 
 
-def restore_rng_state(state: dict, generator: torch.Generator, python_rng) -> None:
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["sampling"])
-    version, internal, gauss = state["problems"]
-    python_rng.setstate((version, tuple(internal), gauss))
+def restore_state(checkpoint: Path, state: TrainState) -> None:
+    """Load ``checkpoint`` (written by any number of processes) into ``state`` on every rank:
+    weights, optimizer, scheduler, random streams, the rollout source, step and counters."""
+    learner = state.learner
+    if learner.world.fsdp:
+        from safetensors.torch import load_file
+
+        load_full_model_state(learner.policy, load_file(str(checkpoint / MODEL_FILE)))
+        payload = torch.load(checkpoint / STATE_FILE, weights_only=True, map_location="cpu")
+    else:
+        payload = load_checkpoint(checkpoint, learner.model)
+    load_full_optimizer_state(learner.policy, learner.optimizer, payload["optimizer"], learner.world)
+    learner.scheduler.load_state_dict(payload["scheduler"])
+    torch.set_rng_state(payload["rng"]["torch"])
+    version, internal, gauss = payload["rng"]["problems"]
+    state.sampler.rng.setstate((version, tuple(internal), gauss))
+    state.rollouts.load_state(payload["rollouts"])
+    state.load_counters(payload["counters"])
+    state.step = int(payload["step"])

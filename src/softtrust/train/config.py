@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,9 +31,27 @@ ADVANTAGE_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def _field(default, help: str):
-    """A dataclass field (immutable default) whose help text is kept for ``--help``."""
-    return field(default=default, metadata={"help": help})
+def _field(
+    default,
+    help: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    resumable: bool = False,
+):
+    """A dataclass field (immutable default) with everything the command line and the checks need.
+
+    Args:
+        help: the ``--help`` text.
+        low, high: the allowed range of a numeric field (``low_open``: ``> low`` instead of
+            ``>= low``); every float is also checked finite. ``validate`` reads these, so a
+            new numeric option is declared, checked and documented in this one place.
+        resumable: may change when a run is resumed (cadence, device, display); every other
+            field would change what is trained and is refused on ``--resume``.
+    """
+    metadata = {"help": help, "low": low, "high": high, "low_open": low_open, "resumable": resumable}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -53,18 +72,25 @@ class TrainConfig:
     )
     # --- supervised warm start (cached under the cache directory, keyed by its config)
     sft_steps: int | None = _field(
-        None, "Warm-start steps of supervised training (default: 300 for the embedded model, 0 for --model)."
+        None,
+        "Warm-start steps of supervised training (default: 300 for the embedded model, 0 for --model).",
+        low=0,
     )
     sft_target_accuracy: float | None = _field(
         None,
         "Stop the warm start as soon as greedy accuracy on a validation set (256 problems, disjoint "
         "from the held-out set, checked every 10 steps) reaches this value; --sft-steps is then "
         "the maximum. Makes warm starts of different seeds comparable.",
+        low=0,
+        low_open=True,
+        high=1,
     )
-    sft_lr: float = _field(2e-3, "Warm-start learning rate.")
-    sft_batch_size: int = _field(64, "Warm-start problems per step.")
+    sft_lr: float = _field(2e-3, "Warm-start learning rate.", low=0, low_open=True)
+    sft_batch_size: int = _field(64, "Warm-start problems per step.", low=1)
     cache_dir: str | None = _field(
-        None, "Where warm starts are cached (default: $SOFTTRUST_CACHE or ~/.cache/softtrust)."
+        None,
+        "Where warm starts are cached (default: $SOFTTRUST_CACHE or ~/.cache/softtrust).",
+        resumable=True,
     )
     # --- policy loss
     method: str = _field(
@@ -83,7 +109,7 @@ class TrainConfig:
         None, "Behaviour correction: tis | mis | opsm, with parameters, e.g. 'tis:cap=2,level=token'."
     )
     kl_coef: float = _field(
-        0.0, "KL penalty coefficient towards the initial (warm-start) policy; 0 disables it."
+        0.0, "KL penalty coefficient towards the initial (warm-start) policy; 0 disables it.", low=0
     )
     kl_estimator: str = _field("k3", "KL estimator: k1 | k2 | k3.")
     advantage_scale: str = _field("group", "Advantage scaling: group (GRPO) | batch | none (Dr. GRPO).")
@@ -91,11 +117,14 @@ class TrainConfig:
     staleness: int = _field(
         8,
         "Synchronous staleness N: one rollout of N x m prompts, then N optimizer steps on disjoint mini-batches (N = 1 is on-policy).",
+        low=1,
     )
     mode: str = _field(
         "sync", "sync (staleness N) | async (a concurrent rollout worker lagging by at most --max-lag steps)."
     )
-    max_lag: int = _field(2, "Async: the most optimizer steps the worker's weights may lag the learner (K).")
+    max_lag: int = _field(
+        2, "Async: the most optimizer steps the worker's weights may lag the learner (K).", low=0
+    )
     lag_schedule: list = field(
         default_factory=list,
         metadata={
@@ -108,49 +137,76 @@ class TrainConfig:
         "Train/inference mismatch: score rollouts with other numerics (bf16 | fp16 autocast) than the fp32 learner.",
     )
     # --- batch shape
-    group_size: int = _field(8, "G, completions per prompt.")
+    group_size: int = _field(8, "G, completions per prompt (group-relative advantages need >= 2).", low=2)
     prompts_per_step: int = _field(
         32,
         "m, prompts per optimizer step (mini-batch); a sync rollout holds N x m prompts. Alias: --prompts-per-rollout.",
+        low=1,
     )
-    max_new_tokens: int = _field(6, "Most tokens sampled per completion (end of sequence included).")
-    temperature: float = _field(1.0, "Sampling temperature (the learner scales logits by it too).")
+    max_new_tokens: int = _field(6, "Most tokens sampled per completion (end of sequence included).", low=1)
+    temperature: float = _field(
+        1.0, "Sampling temperature (the learner scales logits by it too).", low=0, low_open=True
+    )
     # --- optimisation
-    lr: float = _field(3e-4, "AdamW learning rate.")
-    weight_decay: float = _field(0.0, "AdamW weight decay.")
-    warmup_steps: int = _field(0, "Linear learning-rate warm-up steps (then constant).")
-    max_grad_norm: float = _field(1.0, "Gradient clipping norm (0 disables clipping).")
-    max_steps: int = _field(128, "Optimizer steps of RL.")
+    lr: float = _field(3e-4, "AdamW learning rate.", low=0, low_open=True)
+    weight_decay: float = _field(0.0, "AdamW weight decay.", low=0)
+    warmup_steps: int = _field(0, "Linear learning-rate warm-up steps (then constant).", low=0)
+    max_grad_norm: float = _field(1.0, "Gradient clipping norm (0 disables clipping).", low=0)
+    max_steps: int = _field(128, "Optimizer steps of RL.", low=0, resumable=True)
     max_nonfinite: int = _field(
-        5, "Stop (with a checkpoint) after this many non-finite losses or gradients in a row."
+        5,
+        "Stop (with a checkpoint) after this many non-finite losses or gradients in a row.",
+        low=1,
+        resumable=True,
     )
-    seed: int = _field(0, "Random seed (model init, problems, sampling).")
+    seed: int = _field(0, "Random seed (model init, problems, sampling).", low=0)
     num_threads: int = _field(
-        1, "torch intra-op CPU threads (a tiny model gains little from more; 0 keeps torch's default)."
+        1,
+        "torch intra-op CPU threads (a tiny model gains little from more; 0 keeps torch's default).",
+        low=0,
+        resumable=True,
     )
     device: str = _field(
         "auto",
         "Device of a one-process run: auto (cuda when available, else cpu) | cpu | cuda | cuda:N. "
         "Under torchrun each rank takes cuda:LOCAL_RANK when CUDA is available, else the CPU.",
+        resumable=True,
     )
     # --- distributed (under torchrun; see docs/distributed.md)
     fsdp: bool = _field(
         False,
         "Under torchrun: shard the model with FSDP2 (fully_shard) instead of replicating it with DDP; sync mode only.",
+        resumable=True,  # the same update, sharded (a checkpoint resumes with any layout)
     )
     # --- evaluation, logging, checkpoints
-    eval_every: int = _field(32, "Greedy held-out accuracy every this many steps (0: only before and after).")
-    eval_size: int = _field(512, "Held-out problems for evaluation.")
-    save_every: int = _field(64, "Checkpoint every this many steps (0: only at the end).")
-    keep_checkpoints: int = _field(2, "Most recent checkpoints kept.")
-    output_dir: str | None = _field(None, "Run directory (default: runs/<timestamp>-<method>-N<staleness>).")
+    eval_every: int = _field(
+        32,
+        "Greedy held-out accuracy every this many steps (0: only before and after).",
+        low=0,
+        resumable=True,
+    )
+    eval_size: int = _field(
+        512, "Held-out problems for evaluation (the task must have more distinct problems).", low=1
+    )
+    save_every: int = _field(
+        64, "Checkpoint every this many steps (0: only at the end).", low=0, resumable=True
+    )
+    keep_checkpoints: int = _field(2, "Most recent checkpoints kept.", low=1, resumable=True)
+    output_dir: str | None = _field(
+        None,
+        "Run directory, owned by this run: a new run refuses one that already holds a run "
+        "(default: runs/<time>-<method>-N<staleness>-seed<seed>-<random suffix>).",
+    )
     resume: str | None = _field(
-        None, "Resume from a run directory (its latest checkpoint) or a checkpoint directory."
+        None,
+        "Resume the run in this directory (or in the run directory of this checkpoint directory) from its "
+        "latest complete checkpoint, with its own stored config; only the fields marked 'may change on "
+        "resume' may be given differently.",
     )
     report_to: str = _field(
-        "none", "Extra metrics sink: none | tensorboard (metrics.jsonl is always written)."
+        "none", "Extra metrics sink: none | tensorboard (metrics.jsonl is always written).", resumable=True
     )
-    progress: bool = _field(True, "Show a live progress bar.")
+    progress: bool = _field(True, "Show a live progress bar.", resumable=True)
 
     # ------------------------------------------------------------------ YAML
     def to_dict(self) -> dict:
@@ -169,10 +225,7 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"config: {path} must hold a mapping of field: value")
-        return cls.from_dict(values)
+        return cls.from_dict(load_yaml_mapping(path))
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -185,16 +238,9 @@ class TrainConfig:
             if not condition:
                 raise ValueError(f"{name}: {message} (got {getattr(self, name)!r})")
 
+        for f in dataclasses.fields(self):
+            check_field_value(f, getattr(self, f.name))
         need(self.method in METHODS, "method", f"unknown method; choose one of {sorted(METHODS)}")
-        need(self.staleness >= 1, "staleness", "N must be >= 1")
-        need(self.max_lag >= 0, "max_lag", "K must be >= 0")
-        need(all(int(lag) >= 0 for lag in self.lag_schedule), "lag_schedule", "lags must be >= 0")
-        need(
-            self.group_size >= 2,
-            "group_size",
-            "group-relative advantages need at least 2 completions per prompt",
-        )
-        need(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
@@ -207,33 +253,12 @@ class TrainConfig:
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"choose one of {KL_ESTIMATORS}")
-        need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
-        need(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        need(self.temperature > 0, "temperature", "sampling needs a temperature > 0")
-        need(self.lr > 0, "lr", "must be > 0")
-        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
-        need(self.max_steps >= 0, "max_steps", "must be >= 0")
-        need(self.num_threads >= 0, "num_threads", "must be >= 0")
         need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
         need(
             not self.device.startswith("cuda") or torch.cuda.is_available(),
             "device",
             "CUDA was asked for but torch.cuda.is_available() is False (a CPU build of torch, or no GPU); "
             "pass --device cpu (also to resume a GPU run here)",
-        )
-        need(self.max_nonfinite >= 1, "max_nonfinite", "must be >= 1")
-        need(
-            self.eval_every >= 0 and self.save_every >= 0,
-            "eval_every" if self.eval_every < 0 else "save_every",
-            "must be >= 0",
-        )
-        need(self.eval_size >= 1, "eval_size", "must be >= 1")
-        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
-        need(self.sft_steps is None or self.sft_steps >= 0, "sft_steps", "must be >= 0")
-        need(
-            self.sft_target_accuracy is None or 0 < self.sft_target_accuracy <= 1,
-            "sft_target_accuracy",
-            "must be in (0, 1]",
         )
         need(
             not (self.fsdp and self.mode == "async"),
@@ -355,31 +380,144 @@ def _field_kind(cls, name: str):
     return typing.get_origin(hint) or hint
 
 
+def _is_optional(cls, name: str) -> bool:
+    hint = typing.get_type_hints(cls)[name]
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
 def _coerce(cls, name: str, value):
-    """A YAML or command-line value as the field's type (strings are parsed)."""
+    """A YAML or command-line value as the field's type, strictly: a value the flag would refuse
+    is refused from YAML too (``2.7`` or ``true`` for an int, a number for a string, ...).
+    Strings are parsed as the command line parses them."""
     kind = _field_kind(cls, name)
     if value is None:
-        return None
+        if _is_optional(cls, name):
+            return None
+        raise ValueError(f"{name}: expected {_kind_name(kind)}, got null")
     if kind is dict:
-        return parse_key_values(value, name) if isinstance(value, str) else dict(value)
-    if kind is list:
         if isinstance(value, str):
-            return [int(part) for part in value.split(",") if part.strip()]
-        return [int(part) for part in value]
-    if kind is bool:
+            return parse_key_values(value, name)
+        if isinstance(value, dict):
+            return dict(value)
+    elif kind is list:
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            return [
+                _strict_int(name, item) for item in items if not (isinstance(item, str) and not item.strip())
+            ]
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.lower()]
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    elif kind is int:
+        return _strict_int(name, value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
         if isinstance(value, str):
-            lowered = value.lower()
-            if lowered not in {"true", "false", "1", "0", "yes", "no"}:
-                raise ValueError(f"{name}: expected true or false, got {value!r}")
-            return lowered in {"true", "1", "yes"}
-        return bool(value)
-    if kind in (int, float):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str and isinstance(value, str):
+        return value
+    raise ValueError(f"{name}: expected {_kind_name(kind)}, got {value!r} ({type(value).__name__})")
+
+
+BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def _strict_int(name: str, value) -> int:
+    """An int from an int or a decimal string; a bool, a float or anything else is refused."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
         try:
-            number = kind(value)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}") from error
-        return number
-    return str(value)
+            return int(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name}: expected an integer, got {value!r}")
+
+
+def _kind_name(kind) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        kind, "key=value pairs" if kind is dict else "integers separated by commas"
+    )
+
+
+def check_field_value(f: dataclasses.Field, value) -> None:
+    """The declared checks of one field (``_field``'s ``low``/``high``; floats finite; a path-like
+    string option not empty). Raises ``ValueError`` naming the field."""
+    if value is None:
+        return
+    name, low, high = f.name, f.metadata.get("low"), f.metadata.get("high")
+    numbers = value if isinstance(value, list) else [value]
+    for number in numbers:
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            if isinstance(number, str) and not number.strip() and f.default is None:  # a path option
+                raise ValueError(f"{name}: must not be empty (got {value!r})")
+            continue
+        if not math.isfinite(number):
+            raise ValueError(f"{name}: must be a finite number (got {value!r})")
+        if low is not None and (number < low or (f.metadata.get("low_open") and number == low)):
+            bound = f"> {low}" if f.metadata.get("low_open") else f">= {low}"
+            raise ValueError(f"{name}: must be {bound} (got {value!r})")
+        if high is not None and number > high:
+            raise ValueError(f"{name}: must be <= {high} (got {value!r})")
+
+
+def load_yaml_mapping(path: str | Path) -> dict:
+    """The mapping in a YAML config file; a missing file, malformed YAML or another type is a
+    ``ValueError`` naming ``config``."""
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ValueError(f"config: cannot read {str(path)!r} ({error.strerror or error})") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"config: {str(path)!r} is not valid YAML ({error})") from error
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"config: {str(path)!r} must hold a mapping of field: value, got {type(loaded).__name__}"
+        )
+    return loaded
+
+
+RESUMABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resumable"))
+
+
+def resume_config(stored: TrainConfig, changes: dict, run_directory: Path) -> TrainConfig:
+    """The config a resumed run continues with: its ``stored`` one, ``changes`` on top.
+
+    ``changes``: the fields given now. Only ``RESUMABLE_FIELDS`` may differ from the stored
+    values; any other difference is refused naming the field. The run keeps writing into
+    ``run_directory`` (the directory resumed, whatever ``output_dir`` its config recorded).
+    """
+    changes = {key: _coerce(TrainConfig, key, value) for key, value in changes.items()}
+    directory = str(run_directory)
+    given_dir = changes.pop("output_dir", None)
+    if given_dir is not None and Path(given_dir).resolve() != Path(directory).resolve():
+        raise ValueError(
+            f"output_dir: a resumed run writes into its own directory {directory!r}, not {given_dir!r} "
+            "(copy the run directory there and resume the copy, or drop --output-dir)"
+        )
+    changes.pop("resume", None)
+    base = stored.to_dict()
+    refused = sorted(
+        key for key, value in changes.items() if key not in RESUMABLE_FIELDS and value != base.get(key)
+    )
+    if refused:
+        details = ", ".join(f"{key}={changes[key]!r} (the run has {base.get(key)!r})" for key in refused)
+        raise ValueError(
+            f"{refused[0]}: a resumed run continues its own config; {details} would change what it trains. "
+            f"On resume only {', '.join(RESUMABLE_FIELDS)} may change; to train otherwise, start a new run "
+            "in another --output-dir"
+        )
+    return TrainConfig.from_dict({**base, **changes, "output_dir": directory, "resume": directory})
 
 
 def _flag(name: str) -> str:
@@ -398,6 +536,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "prompts_per_step":
             flags.append("--prompts-per-rollout")
         help_text = f"{f.metadata['help']} [default: {default!r}]"
+        if f.metadata.get("resumable"):
+            help_text += " (may change on --resume)"
         if kind is bool:
             parser.add_argument(
                 *flags,
@@ -414,14 +554,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_arguments(arguments: argparse.Namespace) -> TrainConfig:
-    """Defaults < ``--config`` YAML < flags given on the command line."""
+    """Defaults < ``--config`` YAML < flags given on the command line. With ``--resume``: the
+    run's stored config < the YAML and flags given (``resume_config`` refuses those that would
+    change what it trains)."""
     values = {}
     config_path = getattr(arguments, "config", None)
     if config_path is not None:
-        loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config: {config_path} must hold a mapping of field: value")
-        values.update(loaded)
+        values.update(load_yaml_mapping(config_path))
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values.update({key: value for key, value in vars(arguments).items() if key in names})
+    if values.get("resume") is not None:
+        TrainConfig.from_dict(values)  # unknown fields and malformed values first
+        return load_resume_config(values)
     return TrainConfig.from_dict(values)
+
+
+def load_resume_config(values: dict) -> TrainConfig:
+    """``resume_config`` for ``values["resume"]`` (a run or checkpoint directory)."""
+    from .checkpoint import run_directory_of
+
+    directory = run_directory_of(str(values["resume"]))
+    stored = TrainConfig.from_yaml(directory / "config.yaml")
+    return resume_config(stored, values, directory)

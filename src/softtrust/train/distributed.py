@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .rollout import sequence_logprobs
+from softtrust._metrics import reduction_of
 
-REDUCE_BY_SUFFIX = (("/max", "max"), ("/min", "min"))
+from .rollout import sequence_logprobs
 
 
 @dataclass
@@ -150,10 +150,7 @@ class World:
         if not self.distributed:
             return metrics
         names = sorted(name for name, value in metrics.items() if isinstance(value, (int, float)))
-        ops = {
-            name: next((op for suffix, op in REDUCE_BY_SUFFIX if name.endswith(suffix)), "mean")
-            for name in names
-        }
+        ops = {name: reduction_of(name) for name in names}
         values = torch.tensor(
             [metrics[name] * (weight if ops[name] == "mean" else 1.0) for name in names] + [weight],
             dtype=torch.float64,

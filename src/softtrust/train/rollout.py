@@ -4,7 +4,7 @@ Generation is a plain KV-cache sampling loop (faster than ``model.generate`` for
 model on CPU). The trainer's random draws are keyed by (seed, rollout index, global group
 index) (``group_uniforms``): a rollout is the same whichever process samples which group,
 so ``torchrun`` with P processes samples what one process does, and a resume needs no
-sampler state.
+sampler state. A reward is checked the same way in RL and in evaluation (``checked_reward``).
 Each sampled token's log-prob is recorded with the same temperature scaling the learner
 uses, so a rollout's ``rollout_logprobs`` are the behaviour policy's own numbers.
 Everything after a completion's first end-of-sequence token is masked; the end-of-sequence
@@ -13,7 +13,6 @@ token itself is a completion token.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import math
@@ -165,7 +164,6 @@ def sample_completions(
     pad_token_id: int,
     max_new_tokens: int,
     temperature: float,
-    generator: torch.Generator | None = None,
     dtype: torch.dtype | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
@@ -177,13 +175,12 @@ def sample_completions(
         prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts.
         temperature: logits are divided by it before the softmax (the learner does the
             same); 0 means greedy, with log-probs taken at temperature 1.
-        generator: the random stream for sampling (its state is checkpointed).
         dtype: run the forward under ``torch.autocast`` in this dtype (a rollout engine
             whose numerics differ from the learner's); ``None`` keeps the model's own.
         uniforms: ``[B, max_new_tokens]`` float64 uniform draws in [0, 1), one per row and
-            position (``group_uniforms``); when given, token ``t`` of row ``b`` is the inverse
-            CDF of its distribution at ``uniforms[b, t]`` and ``generator`` is unused. Each row's
-            draw then depends only on its own numbers, never on the batch it is sampled in.
+            position (``group_uniforms``), required when sampling (``temperature > 0``): token
+            ``t`` of row ``b`` is the inverse CDF of its distribution at ``uniforms[b, t]``, so
+            each row's draw depends only on its own numbers, never on the batch it is sampled in.
         all_finished: given this process's "every row has ended", says whether every process
             has (FSDP2: all ranks must run the same number of forwards); default: this one.
 
@@ -192,6 +189,8 @@ def sample_completions(
         including the first EOS), ``logprobs [B, T]`` float32 of the chosen tokens (0 where masked).
     """
     batch_size = prompt_ids.shape[0]
+    if temperature > 0 and uniforms is None:
+        raise ValueError("uniforms: sampling (temperature > 0) needs its uniform draws (group_uniforms)")
     cache_name = cache_argument_name(model)
     device = next(model.parameters()).device
     attention_mask = prompt_mask.to(device)
@@ -212,16 +211,9 @@ def sample_completions(
             )
         cache = getattr(output, cache_name)
         logits = output.logits[:, -1, :].float()  # [B, V]
-        if temperature > 0 and uniforms is not None:
+        if temperature > 0:
             log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
             token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
-        elif temperature > 0:
-            log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
-            probs = log_probs.exp()  # [B, V]
-            if generator is not None and generator.device != probs.device:  # a CPU stream, a GPU model
-                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)  # [B]
-            else:
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
         else:
             log_probs = torch.log_softmax(logits, dim=-1)
             token = logits.argmax(dim=-1)
@@ -320,11 +312,20 @@ def sequence_logprobs(
     )
 
 
-class RewardScorer:
-    """Calls a task's reward safely: an exception or a non-number scores 0 and is counted.
+def checked_reward(task, completion: str, answer: str) -> float:
+    """``task.reward(completion, answer)`` as a float, or ``TypeError`` unless it is a finite real
+    number (a bool, a string, a tensor, inf or NaN are refused). RL and evaluation both score
+    through this, so a reward means the same in both."""
+    value = task.reward(completion, answer)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"reward function returned {value!r}, expected a finite number")
+    return float(value)
 
-    With ``strict=True`` the exception (or a ``TypeError`` for a non-number) propagates.
-    """
+
+class RewardScorer:
+    """Calls a task's reward safely (``checked_reward``): an exception or an invalid value scores 0
+    and is counted in ``failures``. With ``strict=True`` the exception (``TypeError`` for an
+    invalid value) propagates."""
 
     def __init__(self, task, strict: bool = False):
         self.task = task
@@ -333,10 +334,7 @@ class RewardScorer:
 
     def __call__(self, completion: str, answer: str) -> float:
         try:
-            value = self.task.reward(completion, answer)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise TypeError(f"reward function returned {value!r}, expected a finite number")
-            return float(value)
+            return checked_reward(self.task, completion, answer)
         except Exception:
             if self.strict:
                 raise
@@ -347,7 +345,8 @@ class RewardScorer:
 class ProblemSampler:
     """Draws training problems from a task with its own seeded ``random.Random``.
 
-    Problems in the held-out set are skipped, so evaluation stays unseen.
+    Problems in the held-out set are skipped, so evaluation stays unseen (``tasks.check_training_pool``
+    makes sure some problem is left to draw).
     """
 
     def __init__(self, task, seed: int, exclude: Sequence[Problem] = ()):
@@ -357,12 +356,9 @@ class ProblemSampler:
 
     def draw(self, count: int) -> list[Problem]:
         problems = []
-        attempts = 0
         while len(problems) < count:
             problem = self.task.sample(self.rng)
-            attempts += 1
-            # A dataset smaller than its held-out split would loop forever: fall back.
-            if problem.prompt not in self.excluded or attempts > 100 * count:
+            if problem.prompt not in self.excluded:
                 problems.append(problem)
         return problems
 
@@ -385,7 +381,6 @@ def generate_rollout(
     group_size: int,
     max_new_tokens: int,
     temperature: float,
-    generator: torch.Generator | None = None,
     policy_version: int = 0,
     dtype: torch.dtype | None = None,
     uniforms: torch.Tensor | None = None,
@@ -393,8 +388,7 @@ def generate_rollout(
 ) -> RolloutBatch:
     """G sampled completions per problem (consecutive rows), scored by ``scorer``.
 
-    The random draws come from ``uniforms`` (``group_uniforms``, keyed by each group's
-    global index) when given, else from ``generator``.
+    The random draws come from ``uniforms`` (``group_uniforms``, keyed by each group's global index).
     """
     repeated = [problem for problem in problems for _ in range(group_size)]
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [problem.prompt for problem in repeated])
@@ -408,7 +402,6 @@ def generate_rollout(
         pad_token_id=tokenizer.pad_token_id,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        generator=generator,
         dtype=dtype,
         uniforms=uniforms,
         all_finished=all_finished,
@@ -439,8 +432,11 @@ def greedy_accuracy(
     max_new_tokens: int,
     batch_size: int = 256,
     all_finished: Callable[[bool], bool] | None = None,
+    strict: bool = False,
 ) -> float:
-    """Fraction of ``problems`` whose greedy completion earns the full reward (>= 1)."""
+    """Fraction of ``problems`` whose greedy completion earns the full reward (>= 1), scored as in
+    RL (``RewardScorer``): a failing or invalid reward counts as wrong (``strict``: raises)."""
+    scorer = RewardScorer(task, strict=strict)
     was_training = model.training
     model.eval()
     correct = 0
@@ -458,8 +454,8 @@ def greedy_accuracy(
             all_finished=all_finished,
         )
         texts = decode_completions(tokenizer, completion_ids, completion_mask)
-        for text, problem in zip(texts, chunk, strict=True):
-            with contextlib.suppress(Exception):  # a failing reward counts as wrong
-                correct += float(task.reward(text, problem.answer)) >= 1.0
+        correct += sum(
+            scorer(text, problem.answer) >= 1.0 for text, problem in zip(texts, chunk, strict=True)
+        )
     model.train(was_training)
     return correct / max(len(problems), 1)

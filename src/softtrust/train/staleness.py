@@ -1,7 +1,9 @@
 """Where the learner's mini-batches come from: the staleness schedules.
 
-Three sources share one interface (``next(step, model) -> MiniBatch`` and
-``publish(version, model)`` after every optimizer step):
+Three sources implement one protocol, ``RolloutSource``, which the loop drives as the
+algorithm reads: ``collect`` a new rollout when the schedule needs one, compute its
+advantages (in the loop), ``add`` them, take the step's mini-batch with ``next``, update,
+then ``publish`` the new weights:
 
 - ``SyncRollouts`` (staleness N, the VESPO paper's definition): one rollout of N x m
   prompts x G completions from the current weights; behaviour log-probs computed once,
@@ -17,9 +19,19 @@ Three sources share one interface (``next(step, model) -> MiniBatch`` and
 In both asynchronous sources the behaviour log-probs are the generating weights' own,
 recorded at generation time.
 
+Resume (``state`` / ``load_state``, then ``start``): the sync source saves its pending
+mini-batches and the lagged one the weights of the versions it may still sample from, so
+both continue exactly. The concurrent worker saves only its counter of weight syncs: on
+resume it restarts from the learner's restored weights (version = the resumed step), so the
+first rollouts after a resume are fresher (lag 0) than those an uninterrupted run would
+have queued; the step, the sampling keys of every rollout, the lag bound, optimizer,
+scheduler and counters carry over. The problems drawn after a resume can differ too: the
+worker draws ahead of the learner, and the problems of the rollouts it had queued when the
+checkpoint was written are not drawn again.
+
 Under ``torchrun`` every rank runs its own source on its share of each rollout
-(``distributed.World.local_groups``): ``generate`` returns this rank's rows and
-``advantages`` gathers the rewards of the whole rollout. ``SyncRollouts.state()`` gathers
+(``distributed.World.local_groups``): ``generate`` returns this rank's rows, and the
+loop's advantages gather the rewards of the whole rollout (``trainer.rollout_advantages``). ``SyncRollouts.state()`` gathers
 the pending mini-batches of every rank into whole mini-batches (the single-process
 layout), and ``load_state`` takes this rank's share, so a run resumes with any number of
 processes.
@@ -32,6 +44,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -128,8 +141,60 @@ class MiniBatch:
 
 # generate(model, num_prompts, policy_version, rollout_index) -> RolloutBatch (this rank's rows)
 GenerateFn = Callable[[torch.nn.Module, int, int, int], RolloutBatch]
-# advantages(rewards) -> advantages
-AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Rollout:
+    """A new rollout as ``RolloutSource.collect`` hands it to the loop.
+
+    Attributes:
+        batch: this rank's rows (``batch.rewards``: what the loop computes advantages from).
+        old_logprobs: ``[rows, T]`` behaviour log-probs (the policy that sampled the rows).
+        index: the rollout's index (the key of its sampling draws).
+    """
+
+    batch: RolloutBatch
+    old_logprobs: torch.Tensor
+    index: int
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """A staleness schedule: where the loop's mini-batches come from.
+
+    Per step ``s`` the loop calls ``collect(s, model)``; when it returns a rollout, the loop
+    computes its advantages and calls ``add(rollout, advantages)``; then ``next(s)`` is the
+    step's mini-batch; after the update ``publish(s + 1, model)`` offers the new weights.
+    ``start(step, model)`` is called once before the first step (after a restore), ``close``
+    at the end. ``state`` / ``load_state`` are what a checkpoint keeps (``kind`` names the source).
+    """
+
+    kind: str
+
+    def start(self, step: int, model) -> None: ...
+
+    def collect(self, step: int, model) -> Rollout | None: ...
+
+    def add(self, rollout: Rollout, advantages: torch.Tensor) -> None: ...
+
+    def next(self, step: int) -> MiniBatch: ...
+
+    def publish(self, version: int, model) -> None: ...
+
+    def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_kind(source: RolloutSource, state: dict) -> None:
+    """Refuse a checkpoint written by another kind of source (older checkpoints carry no kind)."""
+    kind = state.get("kind", source.kind)
+    if kind != source.kind:
+        raise ValueError(
+            f"resume: the checkpoint holds the state of a {kind!r} rollout source, this run uses {source.kind!r}"
+        )
 
 
 @torch.no_grad()
@@ -153,10 +218,11 @@ def behaviour_logprobs(model, batch: RolloutBatch, temperature: float) -> torch.
 class SyncRollouts:
     """Synchronous staleness N: one rollout, behaviour log-probs once, N disjoint mini-batches."""
 
+    kind = "sync"
+
     def __init__(
         self,
         generate: GenerateFn,
-        advantages: AdvantageFn,
         *,
         staleness: int,
         prompts_per_step: int,
@@ -166,7 +232,6 @@ class SyncRollouts:
         world=None,
     ):
         self.generate = generate
-        self.advantages = advantages
         self.staleness = staleness
         self.prompts_per_step = prompts_per_step  # m, global
         self.world = world  # distributed.World, or None for one process
@@ -178,38 +243,50 @@ class SyncRollouts:
         self.pending: list[MiniBatch] = []
         self.rollouts = 0  # rollouts generated so far (= behaviour log-prob passes)
 
-    def next(self, step: int, model) -> MiniBatch:
-        if not self.pending:
-            self.pending = self._collect(step, model)
-        minibatch = self.pending.pop(0)
-        minibatch.lag = step - minibatch.batch.policy_version
-        return minibatch
+    def start(self, step: int, model) -> None:
+        """Nothing to do: every rollout reads the learner's weights directly."""
 
-    def _collect(self, step: int, model) -> list[MiniBatch]:
-        # This rank's share: [N x m/P x G rows]; advantages are those of the whole rollout.
-        rollout = self.generate(model, self.staleness * self.prompts_per_step, step, self.rollouts)
-        advantages = self.advantages(rollout.rewards)  # [N x m/P x G]
-        minibatches = []
+    def collect(self, step: int, model) -> Rollout | None:
+        """A rollout of N x m prompts when the previous one is used up, else None."""
+        if self.pending:
+            return None
+        # This rank's share: [N x m/P x G rows].
+        batch = self.generate(model, self.staleness * self.prompts_per_step, step, self.rollouts)
+        # Computed per mini-batch with the learner's code and shapes, before any update:
+        # with N = 1 these are bit-identical to the learner's first forward (ratio = 1).
+        old = [
+            behaviour_logprobs(model, batch.rows(*self._local_rows(k)), self.temperature)
+            for k in range(self.staleness)
+        ]
+        rollout = Rollout(batch=batch, old_logprobs=torch.cat(old), index=self.rollouts)
+        self.rollouts += 1
+        return rollout
+
+    def _local_rows(self, index: int) -> tuple[int, int]:
+        return index * self.local_rows_per_step, (index + 1) * self.local_rows_per_step
+
+    def add(self, rollout: Rollout, advantages: torch.Tensor) -> None:
+        """Split the rollout into its N mini-batches (``advantages``: ``[N x m/P x G]``, this rank's rows)."""
         for index in range(self.staleness):
-            start, stop = index * self.local_rows_per_step, (index + 1) * self.local_rows_per_step
-            rows = rollout.rows(start, stop)
-            # Computed per mini-batch with the learner's code and shapes, before any update:
-            # with N = 1 these are bit-identical to the learner's first forward (ratio = 1).
-            old = behaviour_logprobs(model, rows, self.temperature)  # [m x G, T]
-            minibatches.append(
+            start, stop = self._local_rows(index)
+            rows = rollout.batch.rows(start, stop)
+            self.pending.append(
                 MiniBatch(
                     batch=rows,
-                    old_logprobs=old,
+                    old_logprobs=rollout.old_logprobs[start:stop],
                     rollout_logprobs=rows.rollout_logprobs if self.keep_rollout_logprobs else None,
                     advantages=advantages[start:stop],
-                    rollout_index=self.rollouts,
+                    rollout_index=rollout.index,
                     minibatch_index=index,
                     rows=(index * self.rows_per_step, (index + 1) * self.rows_per_step),  # global rows
                     lag=0,
                 )
             )
-        self.rollouts += 1
-        return minibatches
+
+    def next(self, step: int) -> MiniBatch:
+        minibatch = self.pending.pop(0)
+        minibatch.lag = step - minibatch.batch.policy_version
+        return minibatch
 
     def publish(self, version: int, model) -> None:
         """Nothing to do: the next rollout reads the learner's weights directly."""
@@ -220,10 +297,11 @@ class SyncRollouts:
         if self.world_size > 1:
             shares = self.world.gather_objects(pending)
             pending = [MiniBatch.concat(list(parts)) for parts in zip(*shares, strict=True)]
-        return {"pending": [minibatch.state() for minibatch in pending], "rollouts": self.rollouts}
+        return {"kind": self.kind, "pending": [m.state() for m in pending], "rollouts": self.rollouts}
 
     def load_state(self, state: dict) -> None:
         """Whole pending mini-batches (from any world size); this rank keeps its share."""
+        check_kind(self, state)
         rank = self.world.rank if self.world is not None else 0
         self.pending = [MiniBatch.from_state(item).share(rank, self.world_size) for item in state["pending"]]
         self.rollouts = state["rollouts"]
@@ -236,43 +314,50 @@ def _weights_copy(model) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def _worker_minibatch(batch: RolloutBatch, advantages: AdvantageFn, step: int) -> MiniBatch:
+def _whole_rollout(rollout: Rollout, advantages: torch.Tensor, step: int) -> MiniBatch:
     """A whole asynchronous rollout as one mini-batch; behaviour = the worker's own log-probs.
 
     They are also the rollout log-probs a correction compares against (so its weight is 1:
     the worker is both the sampler and the behaviour policy).
     """
+    batch = rollout.batch
     return MiniBatch(
         batch=batch,
-        old_logprobs=batch.rollout_logprobs,
+        old_logprobs=rollout.old_logprobs,
         rollout_logprobs=batch.rollout_logprobs,
-        advantages=advantages(batch.rewards),
-        rollout_index=step,
+        advantages=advantages,
+        rollout_index=rollout.index,
         minibatch_index=0,
         rows=(0, batch.input_ids.shape[0]),
         lag=step - batch.policy_version,
     )
 
 
-class LaggedRollouts:
+class _OneRolloutPerStep:
+    """The asynchronous sources' shared half: rollout ``s`` is step ``s``'s whole mini-batch."""
+
+    ready: MiniBatch | None = None
+
+    def add(self, rollout: Rollout, advantages: torch.Tensor) -> None:
+        self.ready = _whole_rollout(rollout, advantages, rollout.index)
+
+    def next(self, step: int) -> MiniBatch:
+        minibatch, self.ready = self.ready, None
+        assert minibatch is not None and minibatch.rollout_index == step, f"no rollout for step {step}"
+        return minibatch
+
+
+class LaggedRollouts(_OneRolloutPerStep):
     """Asynchronous staleness with a fixed lag schedule and no concurrency (for tests).
 
     Step ``s`` trains on m prompts generated by the weights of version ``s - lag``, with
     ``lag = min(schedule[s mod len], K, s)`` (an empty schedule means always K).
     """
 
-    def __init__(
-        self,
-        generate: GenerateFn,
-        advantages: AdvantageFn,
-        *,
-        max_lag: int,
-        schedule,
-        prompts_per_step: int,
-        model,
-    ):
+    kind = "lagged"
+
+    def __init__(self, generate: GenerateFn, *, max_lag: int, schedule, prompts_per_step: int, model):
         self.generate = generate
-        self.advantages = advantages
         self.max_lag = max_lag
         self.schedule = [int(lag) for lag in schedule] or [max_lag]
         self.prompts_per_step = prompts_per_step
@@ -282,11 +367,15 @@ class LaggedRollouts:
     def lag_for(self, step: int) -> int:
         return min(self.schedule[step % len(self.schedule)], self.max_lag, step)
 
-    def next(self, step: int, model) -> MiniBatch:
+    def start(self, step: int, model) -> None:
+        if step not in self.history:  # a fresh run (a resumed one restored it)
+            self.publish(step, model)
+
+    def collect(self, step: int, model) -> Rollout:
         version = step - self.lag_for(step)
         self.behaviour_model.load_state_dict(self.history[version])
         batch = self.generate(self.behaviour_model, self.prompts_per_step, version, step)
-        return _worker_minibatch(batch, self.advantages, step)
+        return Rollout(batch=batch, old_logprobs=batch.rollout_logprobs, index=step)
 
     def publish(self, version: int, model) -> None:
         self.history[version] = _weights_copy(model)
@@ -294,16 +383,17 @@ class LaggedRollouts:
             del self.history[old]
 
     def state(self) -> dict:
-        return {"history": {str(version): weights for version, weights in self.history.items()}}
+        return {"kind": self.kind, "history": {str(version): w for version, w in self.history.items()}}
 
     def load_state(self, state: dict) -> None:
+        check_kind(self, state)
         self.history = {int(version): weights for version, weights in state["history"].items()}
 
     def close(self) -> None:
         pass
 
 
-class AsyncRollouts:
+class AsyncRollouts(_OneRolloutPerStep):
     """A concurrent rollout worker (a thread) whose weights lag the learner by at most K steps.
 
     Rollout ``i`` is consumed at learner step ``i``. Before generating it, the worker makes
@@ -311,33 +401,31 @@ class AsyncRollouts:
     if needed and then taking the newest published weights (a weight sync happens only when
     the bound requires it). So the observed lag ``i - version`` never exceeds K, and the
     learner never waits when rollout ``i`` is already queued.
+
+    ``start(step, model)`` starts the worker from ``model``'s weights as version ``step``; a
+    resumed run restarts it so from the restored weights (see the module's notes on resume).
     """
 
-    def __init__(
-        self,
-        generate: GenerateFn,
-        advantages: AdvantageFn,
-        *,
-        max_lag: int,
-        prompts_per_step: int,
-        model,
-        start_step: int = 0,
-    ):
+    kind = "async"
+
+    def __init__(self, generate: GenerateFn, *, max_lag: int, prompts_per_step: int, model):
         self.generate = generate
-        self.advantages = advantages
         self.max_lag = max_lag
         self.prompts_per_step = prompts_per_step
         self.worker_model = copy.deepcopy(model).eval()
-        self.worker_version = start_step
-        self.published_version = start_step
-        self.published_weights = _weights_copy(model)
         self.condition = threading.Condition()
-        self.ready: queue.Queue = queue.Queue()
+        self.queue: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.syncs = 0
+        self.thread: threading.Thread | None = None
+
+    def start(self, step: int, model) -> None:
+        self.worker_model.load_state_dict(model.state_dict())
+        self.worker_version = self.published_version = step
+        self.published_weights = _weights_copy(model)
         self.thread = threading.Thread(
-            target=self._run, args=(start_step,), name="softtrust-rollout-worker", daemon=True
+            target=self._run, args=(step,), name="softtrust-rollout-worker", daemon=True
         )
         self.thread.start()
 
@@ -355,22 +443,23 @@ class AsyncRollouts:
                         self.worker_version = self.published_version
                         self.syncs += 1
                 batch = self.generate(self.worker_model, self.prompts_per_step, self.worker_version, index)
-                self.ready.put((index, batch))
+                self.queue.put(Rollout(batch=batch, old_logprobs=batch.rollout_logprobs, index=index))
                 index += 1
-        except BaseException as error:  # surfaced to the learner by next()
+        except BaseException as error:  # surfaced to the learner by collect()
             self.error = error
 
-    def next(self, step: int, model) -> MiniBatch:
+    def collect(self, step: int, model) -> Rollout:
+        """The worker's rollout ``step`` (waits for it)."""
         while True:
             if self.error is not None:
                 raise RuntimeError(f"rollout worker failed: {self.error!r}") from self.error
             try:
-                index, batch = self.ready.get(timeout=0.1)
+                rollout = self.queue.get(timeout=0.1)
                 break
             except queue.Empty:
                 continue
-        assert index == step, f"rollout {index} delivered at step {step}"
-        return _worker_minibatch(batch, self.advantages, step)
+        assert rollout.index == step, f"rollout {rollout.index} delivered at step {step}"
+        return rollout
 
     def publish(self, version: int, model) -> None:
         weights = _weights_copy(model)
@@ -380,13 +469,16 @@ class AsyncRollouts:
             self.condition.notify_all()
 
     def state(self) -> dict:
-        return {}
+        """What a resume keeps: the count of weight syncs (the worker restarts from the learner's weights)."""
+        return {"kind": self.kind, "syncs": self.syncs}
 
     def load_state(self, state: dict) -> None:
-        pass
+        check_kind(self, state)
+        self.syncs = int(state["syncs"])
 
     def close(self) -> None:
         self.stopping.set()
         with self.condition:
             self.condition.notify_all()
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.thread.join(timeout=30)

@@ -88,6 +88,11 @@ class AdditionTask:
     def __init__(self, digits: int = 3):
         self.digits = digits
 
+    @property
+    def num_problems(self) -> int:
+        """Distinct problems: every ordered pair of ``digits``-digit operands."""
+        return 10 ** (2 * self.digits)
+
     def sample(self, rng: random.Random) -> Problem:
         a, b = rng.randrange(10**self.digits), rng.randrange(10**self.digits)
         width = self.digits
@@ -133,6 +138,11 @@ class DatasetTask:
         self.problems = read_jsonl_problems(self.path)
         self.reward_fn = load_reward(reward)
 
+    @property
+    def num_problems(self) -> int:
+        """Distinct prompts in the file."""
+        return len({problem.prompt for problem in self.problems})
+
     def sample(self, rng: random.Random) -> Problem:
         return self.problems[rng.randrange(len(self.problems))]
 
@@ -144,20 +154,32 @@ class DatasetTask:
 
 
 def read_jsonl_problems(path: Path) -> list[Problem]:
-    """Read ``{"prompt", "answer"}`` lines; fail with the line number on a bad one."""
+    """Read ``{"prompt", "answer"}`` lines; fail with the line number on a bad one.
+
+    The prompt must be a non-empty string; the answer a string or a finite number (written as
+    text). Anything else (null, a list, an object, a bool) is refused rather than stringified.
+    """
     if not path.is_file():
         raise ValueError(f"dataset: {str(path)!r} is not a file")
     problems = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"dataset: {path}:{number}"
         try:
             record = json.loads(line)
-            problems.append(Problem(str(record["prompt"]), str(record["answer"])))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"dataset: {path}:{number}: expected a JSON object with 'prompt' and 'answer' ({error})"
-            ) from error
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not valid JSON ({error})") from error
+        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
+            raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {line[:80]!r}")
+        prompt, answer = record["prompt"], record["answer"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
+            answer = str(answer)
+        if not isinstance(answer, str):
+            raise ValueError(f"{where}: 'answer' must be a string or a finite number, got {answer!r}")
+        problems.append(Problem(prompt, answer))
     if not problems:
         raise ValueError(f"dataset: {path} holds no problems")
     return problems
@@ -204,3 +226,17 @@ def held_out_problems(task, count: int, seed: int) -> list[Problem]:
         if len(problems) == count:
             break
     return problems
+
+
+def check_training_pool(task, held_out: list[Problem]) -> None:
+    """Refuse a task whose every problem is held out (training would draw only evaluation problems).
+
+    Raises ``ValueError`` naming ``eval_size`` with the task's number of distinct problems.
+    """
+    distinct = task.num_problems
+    held = len({problem.prompt for problem in held_out})
+    if distinct - held < 1:
+        raise ValueError(
+            f"eval_size: the task has {distinct} distinct problems and the held-out set takes {held} of them, "
+            f"leaving none to train on; pass --eval-size below {distinct} (or a larger dataset)"
+        )

@@ -165,6 +165,12 @@ def warm_start(
     finally:
         random.setstate(random_state[0])
         torch.set_rng_state(random_state[1])
+    bad = [name for name, tensor in model.state_dict().items() if not torch.isfinite(tensor).all()]
+    if bad:  # never cache (and reuse) a diverged warm start
+        raise ValueError(
+            f"sft_lr: the warm start diverged (non-finite weights in {bad[:3]}) with sft_lr={lr}; "
+            "nothing was cached: lower --sft-lr"
+        )
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".safetensors")
     os.close(descriptor)

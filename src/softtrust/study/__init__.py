@@ -1,0 +1,76 @@
+"""The staleness study: ``softtrust sweep`` runs a grid of ``train`` runs and reports it.
+
+One cell is one ``train(config)`` run (a method, a staleness N, a seed), executed in
+its own process (``python -m softtrust.study.cell <cell>/sweep-cell.yaml``), ``--jobs``
+at a time. Every cell runs the same number of optimizer steps (``--max-steps``), so N
+changes only how stale the samples are, and every cell of a seed starts from the same
+cached warm start (the trainer keys the cache by the recipe and the seed).
+
+The sweep directory holds:
+
+| path | content |
+| --- | --- |
+| ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
+| ``sweep.json`` | the grid and the shared overrides |
+| ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
+| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses (a run still going counts in the collapses and curves only: its best so far is not a result) |
+| ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods |
+| ``curves.png``, ``final_vs_staleness.png`` | the figures (with ``--lrs``: at the smallest learning rate) |
+| ``lr_stability.png`` | with ``--lrs``: the largest stable learning rate against N, one line per method |
+
+The learning-rate view (``--lrs 3e-4,1e-3,...``): a third grid axis. For every method and
+N, the **largest stable learning rate** is the largest value of the grid at which, and at
+every smaller value of which, every seed completed without collapsing (see
+``largest_stable_lr``). It does not depend on one learning rate: a method that tolerates
+staleness should keep its stable range as N grows.
+
+Resumption: a cell is not run again when its run directory has a ``summary.json`` for
+the requested number of steps, or when it stopped on its own (too many non-finite
+updates, exit code 3: a deterministic outcome, reported as a collapse). A cell that was
+interrupted resumes from its last checkpoint (any mode, the concurrent async worker
+included), or starts over when it has none: the sweep owns its cells' directories and clears
+such a cell's directory itself before the new run (which would refuse a directory holding a run). A cell
+that was run with other settings (say another ``--lr``) stops the sweep with a message
+naming them, rather than mixing old and new results in one table.
+
+The collapse criterion (``CollapseCriterion``, applied per run) is documented there.
+
+The package, one job per module:
+
+| module | job |
+| --- | --- |
+| ``presets`` | the predefined grids and their shared settings |
+| ``grid`` | method specs, axes, cells and each cell's ``TrainConfig`` |
+| ``runner`` | running the cells (processes, resumption, the sweep log) |
+| ``cell`` | one cell's process (``python -m softtrust.study.cell``) |
+| ``runs`` | reading run directories into raw run records |
+| ``analysis`` | a pure function from run records to the report (collapse, statistics, lr stability, paired differences) |
+| ``markdown``, ``plots`` | render the report (nothing else) |
+| ``report`` | read, analyse, render: the files of the sweep directory |
+| ``cli`` | ``softtrust sweep``'s flags and command |
+"""
+
+from softtrust.study.analysis import CollapseCriterion, analyse, mean_std_ci, run_outcome
+from softtrust.study.grid import Cell, MethodSpec, Sweep, split_methods
+from softtrust.study.presets import PRESETS
+from softtrust.study.report import write_report
+from softtrust.study.runner import run_sweep
+from softtrust.study.runs import EXIT_BAD_CONFIG, EXIT_STOPPED, load_run, load_runs
+
+__all__ = [
+    "EXIT_BAD_CONFIG",
+    "EXIT_STOPPED",
+    "PRESETS",
+    "Cell",
+    "CollapseCriterion",
+    "MethodSpec",
+    "Sweep",
+    "analyse",
+    "load_run",
+    "load_runs",
+    "mean_std_ci",
+    "run_outcome",
+    "run_sweep",
+    "split_methods",
+    "write_report",
+]

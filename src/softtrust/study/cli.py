@@ -1,0 +1,136 @@
+"""``softtrust sweep``: its flags, the ``Sweep`` they describe, and the command itself."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .grid import LR_AXIS_FIELD, Sweep, parse_int_list, parse_lrs, parse_seeds, split_methods
+from .presets import PRESETS
+
+
+def add_sweep_arguments(parser) -> None:
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="A predefined grid and setup (default: full, the long-completion study, ~6.5 h on 2 cores, "
+        "resumable; quick: the first half of 4 of its runs, ~16 min; addition: the short-completion setup; "
+        "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
+        "on the long-completion setup, ~55 min; "
+        "vespo-ablations: the paper's VESPO ablations); flags override it.",
+    )
+    parser.add_argument(
+        "--methods",
+        help="Methods, comma-separated; a method may carry parameters, e.g. 'clip,vespo[k_neg=2,lambda_neg=3]' "
+        "('level=' and 'aggregation=' in brackets set those loss axes). [default: "
+        + PRESETS["full"]["methods"]
+        + "]",
+    )
+    parser.add_argument(
+        "--staleness",
+        help="Staleness values N, comma-separated (in --mode async: the lag bounds K). [default: "
+        + PRESETS["full"]["staleness"]
+        + "]",
+    )
+    parser.add_argument(
+        "--max-lag",
+        dest="max_lag_axis",
+        help="Async mode: the lag bounds K, comma-separated (replaces --staleness as the grid axis).",
+    )
+    parser.add_argument(
+        "--seeds",
+        help="A number of seeds S (seeds 0..S-1), or a comma-separated list ('1,' is seed 1 alone). [default: "
+        + PRESETS["full"]["seeds"]
+        + "]",
+    )
+    parser.add_argument(
+        "--lrs",
+        help="Learning rates, comma-separated: a third grid axis, and the report's largest stable "
+        "learning rate per method and N (replaces --lr). [default: the preset's; none for full, where --lr is shared]",
+    )
+    parser.add_argument("--output-dir", dest="sweep_dir", help="Sweep directory [default: sweeps/<preset>].")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="Cells run in parallel [default: the number of CPU cores]."
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="Only rewrite the report from the runs already there."
+    )
+    parser.add_argument(
+        "--no-progress", dest="sweep_progress", action="store_false", help="No progress bar for the grid."
+    )
+
+
+def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
+    """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell)."""
+    import argparse
+
+    from softtrust.train.config import add_config_arguments, config_from_arguments, load_yaml_mapping
+
+    train_parser = argparse.ArgumentParser(prog="softtrust sweep", add_help=False, allow_abbrev=False)
+    add_config_arguments(train_parser)
+    train_arguments, unknown = train_parser.parse_known_args(extra)
+    if unknown:
+        raise ValueError(
+            f"sweep: unrecognised arguments {unknown} (see softtrust sweep --help / train --help)"
+        )
+    given = set(vars(train_arguments)) - {"config"}  # flags default to SUPPRESS: only those given
+    overrides_config = config_from_arguments(train_arguments)
+    from_file = set()
+    if train_arguments.config:
+        from_file = set(load_yaml_mapping(train_arguments.config))
+    overrides = {
+        key: value
+        for key, value in overrides_config.to_dict().items()
+        if key in (given | from_file) and key != "config"
+    }
+    name = arguments.preset or "full"
+    preset = PRESETS[name]
+    setup = dict(preset["overrides"])
+    if arguments.lrs or preset.get("lrs"):  # an lr axis replaces the preset's lr (a given --lr is refused)
+        setup.pop(LR_AXIS_FIELD, None)
+    overrides = {**setup, **overrides}  # flags override the preset's setup
+    overrides.setdefault("num_threads", 1)
+    mode = overrides.get("mode", "sync")
+    axis_text = arguments.staleness or preset["staleness"]
+    if mode == "async" and arguments.max_lag_axis:
+        axis_text = arguments.max_lag_axis
+    elif arguments.max_lag_axis:
+        overrides["max_lag"] = parse_int_list(arguments.max_lag_axis, "max_lag")[0]
+    jobs = arguments.jobs if arguments.jobs is not None else (os.cpu_count() or 1)
+    return Sweep(
+        methods=split_methods(arguments.methods or preset["methods"]),
+        staleness=parse_int_list(axis_text, "staleness"),
+        seeds=parse_seeds(arguments.seeds or preset["seeds"]),
+        output_dir=Path(arguments.sweep_dir or Path("sweeps") / name),
+        overrides=overrides,
+        jobs=jobs,
+        progress=arguments.sweep_progress,
+        lrs=parse_lrs(arguments.lrs) if arguments.lrs else preset.get("lrs"),
+    )
+
+
+def run_sweep_command(arguments, extra: list[str]) -> int:
+    """``softtrust sweep``: run the grid (or only rewrite its report); exit 0, 1 (a cell
+    failed), 2 (bad arguments) or 130 (interrupted: the same command resumes)."""
+    from .report import write_report
+    from .runner import run_sweep
+
+    try:
+        sweep = sweep_from_arguments(arguments, extra)
+        if arguments.report_only:
+            write_report(sweep)
+            print(f"report written to {sweep.output_dir}")
+            return 0
+        result = run_sweep(sweep)
+    except ValueError as error:
+        print(f"softtrust sweep: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("softtrust sweep: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    print(
+        f"{len(result['ran'])} cell(s) run, {len(result['skipped'])} already done, "
+        f"{len(result['failed'])} failed; report: {sweep.output_dir / 'summary.md'}"
+    )
+    return 1 if result["failed"] else 0

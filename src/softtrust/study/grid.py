@@ -1,0 +1,198 @@
+"""The grid of a study: method specs, the axes (methods x staleness x seeds, optionally x lr),
+the cells, and each cell's ``TrainConfig``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from softtrust.train.config import TrainConfig, parse_key_values
+
+# The fields that a sweep sets per cell: shared overrides may not set them.
+AXIS_FIELDS = ("method", "method_params", "level", "staleness", "seed", "output_dir", "resume", "config")
+LR_AXIS_FIELD = "lr"  # a shared override unless --lrs makes it a grid axis
+
+# Method-spec keys that go to TrainConfig fields instead of the method's parameters.
+SPEC_CONFIG_KEYS = ("level", "aggregation")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One column of the study: a registry name plus parameters, e.g. ``vespo[k_neg=2,lambda_neg=3]``.
+
+    ``level`` and ``aggregation`` in the brackets set those loss axes (``vespo[level=sequence-mean]``
+    is the paper's length-normalisation ablation); every other key is a method parameter.
+    """
+
+    label: str
+    method: str
+    params: dict = field(default_factory=dict, hash=False)  # the label determines them
+    config: dict = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        text = text.strip()
+        name, bracket, rest = text.partition("[")
+        values = {}
+        if bracket:
+            if not rest.endswith("]"):
+                raise ValueError(f"methods: {text!r} has no closing ']'")
+            values = parse_key_values(rest[:-1], "methods")
+        params = {key: value for key, value in values.items() if key not in SPEC_CONFIG_KEYS}
+        config = {key: value for key, value in values.items() if key in SPEC_CONFIG_KEYS}
+        return cls(label=text, method=name.strip(), params=params, config=config)
+
+    @property
+    def slug(self) -> str:
+        """A directory name: ``vespo[k_neg=2,lambda_neg=3]`` -> ``vespo-k_neg=2-lambda_neg=3``."""
+        keep = "".join(ch if ch.isalnum() or ch in "._=-" else "-" for ch in self.label)
+        return "-".join(filter(None, keep.split("-")))
+
+
+def split_methods(text: str) -> list[MethodSpec]:
+    """``'clip,vespo[k_neg=2,lambda_neg=3]'`` -> two specs (commas inside brackets stay)."""
+    items, depth, current = [], 0, ""
+    for character in text:
+        depth += {"[": 1, "]": -1}.get(character, 0)
+        if character == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += character
+    items.append(current)
+    specs = [MethodSpec.parse(item) for item in items if item.strip()]
+    if not specs:
+        raise ValueError("methods: give at least one method")
+    labels = [spec.label for spec in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"methods: repeated method {labels}")
+    by_slug: dict[str, str] = {}
+    for spec in specs:  # two labels, one directory (e.g. 'vespo' and 'vespo[]'): their runs would mix
+        if spec.slug in by_slug:
+            raise ValueError(
+                f"methods: {by_slug[spec.slug]!r} and {spec.label!r} are the same cell directory "
+                f"({spec.slug!r}); give each method once"
+            )
+        by_slug[spec.slug] = spec.label
+    return specs
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(f"{name}: expected integers separated by commas, got {text!r}") from error
+    if not values or any(value < 0 for value in values):
+        raise ValueError(f"{name}: expected non-negative integers, got {text!r}")
+    return values
+
+
+def parse_lrs(text: str) -> list[float]:
+    """``'3e-4,1e-3'`` -> ``[3e-4, 1e-3]`` (sorted, each > 0)."""
+    try:
+        values = sorted({float(part) for part in str(text).split(",") if part.strip()})
+    except ValueError as error:
+        raise ValueError(f"lrs: expected numbers separated by commas, got {text!r}") from error
+    if not values or any(not (math.isfinite(value) and value > 0) for value in values):
+        raise ValueError(f"lrs: expected finite learning rates > 0, got {text!r}")
+    return values
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``'3'`` -> seeds 0, 1, 2; ``'0,5'`` -> seeds 0 and 5; ``'1,'`` -> seed 1 alone."""
+    values = parse_int_list(text, "seeds")
+    if "," in str(text):
+        return values
+    if values[0] < 1:
+        raise ValueError(f"seeds: a number of seeds must be >= 1 (got {text!r}; for seed 0 alone write '0,')")
+    return list(range(values[0]))
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid."""
+
+    spec: MethodSpec
+    staleness: int  # N in sync mode, the lag bound K in async mode
+    seed: int
+    axis: str = "N"  # "K" in async mode
+    lr: float | None = None  # set when the learning rate is a grid axis (--lrs)
+
+    def directory(self, root: Path) -> Path:
+        base = root / "runs" / self.spec.slug / f"{self.axis}{self.staleness}"
+        if self.lr is not None:
+            base = base / f"lr{self.lr:g}"
+        return base / f"seed{self.seed}"
+
+    @property
+    def name(self) -> str:
+        lr = "" if self.lr is None else f" lr={self.lr:g}"
+        return f"{self.spec.label} {self.axis}={self.staleness}{lr} seed={self.seed}"
+
+
+@dataclass
+class Sweep:
+    """The grid (methods x staleness x seeds) and the ``train`` settings shared by every cell."""
+
+    methods: list[MethodSpec]
+    staleness: list[int]
+    seeds: list[int]
+    output_dir: Path
+    overrides: dict = field(default_factory=dict)
+    jobs: int = 1
+    progress: bool = True
+    lrs: list[float] | None = None  # the learning-rate axis (None: lr is a shared setting)
+
+    @property
+    def mode(self) -> str:
+        return self.overrides.get("mode", "sync")
+
+    @property
+    def max_steps(self) -> int:
+        """The optimizer steps of every cell (the shared ``max_steps``, or the trainer's default)."""
+        return TrainConfig.from_dict(dict(self.overrides)).max_steps
+
+    @property
+    def axis(self) -> str:
+        return "K" if self.mode == "async" else "N"
+
+    def cells(self) -> list[Cell]:
+        return [
+            Cell(spec, staleness, seed, self.axis, lr)
+            for staleness in self.staleness
+            for lr in self.lrs or [None]
+            for spec in self.methods
+            for seed in self.seeds
+        ]
+
+    def cell_config(self, cell: Cell) -> TrainConfig:
+        values = {
+            **self.overrides,
+            **cell.spec.config,
+            "method": cell.spec.method,
+            "method_params": dict(cell.spec.params),
+            "seed": cell.seed,
+            "output_dir": str(cell.directory(self.output_dir)),
+            "progress": False,
+        }
+        values["max_lag" if self.mode == "async" else "staleness"] = cell.staleness
+        if cell.lr is not None:
+            values[LR_AXIS_FIELD] = cell.lr
+        return TrainConfig.from_dict(values)
+
+    def validate(self) -> None:
+        bad = sorted(set(self.overrides) & set(AXIS_FIELDS))
+        if bad:
+            raise ValueError(f"sweep: {bad} are set per cell by --methods / --staleness / --seeds")
+        if self.lrs is not None and LR_AXIS_FIELD in self.overrides:
+            raise ValueError(
+                f"sweep: lr={self.overrides[LR_AXIS_FIELD]} is given (by --lr or --config) while the "
+                f"learning rate is a grid axis, lrs={self.lrs} (from --lrs or the preset); give one of them"
+            )
+        if self.mode == "sync" and any(n < 1 for n in self.staleness):
+            raise ValueError(f"staleness: N must be >= 1 (got {self.staleness})")
+        for cell in self.cells():
+            self.cell_config(cell).validate()  # a bad method spec fails before any run
+        if self.jobs < 1:
+            raise ValueError(f"jobs: must be >= 1 (got {self.jobs})")

@@ -1,0 +1,233 @@
+"""Running a study's cells: one ``softtrust train`` process per cell, ``--jobs`` at a time, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from softtrust._runfiles import atomic_write_json
+from softtrust.train.checkpoint import find_checkpoint
+from softtrust.train.config import TrainConfig
+
+from .grid import Cell, Sweep
+from .report import write_report
+from .runs import EXIT_BAD_CONFIG, EXIT_STOPPED
+
+# Exit codes of one cell's process (``python -m softtrust.sweep CELL.yaml``); any other is a crash.
+
+
+def cell_status(directory: Path, max_steps: int) -> str:
+    """``done`` (summary.json for max_steps), ``stopped`` (exited on its own), ``partial`` or ``new``."""
+    summary = directory / "summary.json"
+    if summary.is_file():
+        try:
+            if json.loads(summary.read_text()).get("steps") == max_steps:
+                return "done"
+        except json.JSONDecodeError:
+            pass
+    record = directory / "sweep-cell.json"
+    if record.is_file():
+        try:
+            if json.loads(record.read_text()).get("returncode") == EXIT_STOPPED:
+                return "stopped"
+        except json.JSONDecodeError:
+            pass
+    return "partial" if directory.exists() else "new"
+
+
+def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
+    """Launch one ``softtrust train`` process for ``cell``: it resumes the cell's run from its last
+    complete checkpoint; a cell without one starts over, in a directory the sweep clears itself
+    (the sweep owns its cells' directories; a new run refuses one that holds a run)."""
+    directory = cell.directory(sweep.output_dir)
+    config = sweep.cell_config(cell)
+    if directory.exists():
+        try:
+            find_checkpoint(directory)
+            config = config.replace(resume=str(directory))
+        except ValueError:  # interrupted before its first complete checkpoint
+            shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    request = directory / "sweep-cell.yaml"
+    request.write_text(config.to_yaml())
+    (directory / "sweep-cell.json").unlink(missing_ok=True)
+    log = open(directory / "train.log", "a")  # noqa: SIM115 (closed when the process ends)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "softtrust.study.cell", str(request)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    process.log = log  # type: ignore[attr-defined]
+    return process
+
+
+# Fields that may differ between a cell's saved config and a rerun without changing its result.
+SETTINGS_THAT_DO_NOT_MATTER = (
+    "resume",
+    "output_dir",
+    "progress",
+    "num_threads",
+    "report_to",
+    "save_every",
+    "keep_checkpoints",
+    "cache_dir",
+    "max_steps",  # a longer run resumes the cell from its checkpoint
+)
+
+
+def check_same_settings(sweep: Sweep, cell: Cell) -> None:
+    """Refuse to mix results: a cell already run with other settings fails the sweep by name."""
+    saved = cell.directory(sweep.output_dir) / "config.yaml"
+    if not saved.is_file():
+        return
+    before = TrainConfig.from_yaml(saved).to_dict()
+    now = sweep.cell_config(cell).to_dict()
+    changed = sorted(
+        key for key in now if key not in SETTINGS_THAT_DO_NOT_MATTER and before.get(key) != now[key]
+    )
+    if changed:
+        details = ", ".join(f"{key}: {before.get(key)!r} -> {now[key]!r}" for key in changed)
+        raise ValueError(
+            f"{cell.name} in {sweep.output_dir} was run with other settings ({details}); "
+            "use another --output-dir or the same settings"
+        )
+
+
+def run_sweep(sweep: Sweep) -> dict:
+    """Run every cell that is not done yet, then write the report. Returns the report plus
+    ``ran`` / ``skipped`` (cell names) and ``failed`` (cells that crashed)."""
+    sweep.validate()
+    sweep.output_dir.mkdir(parents=True, exist_ok=True)
+    max_steps = sweep.max_steps
+    atomic_write_json(
+        sweep.output_dir / "sweep.json",
+        {
+            "methods": [spec.label for spec in sweep.methods],
+            "staleness": sweep.staleness,
+            "seeds": sweep.seeds,
+            "axis": sweep.axis,
+            "lrs": sweep.lrs,
+            "overrides": sweep.overrides,
+        },
+    )
+    for n in sweep.staleness:
+        if sweep.mode == "sync" and max_steps % n:
+            print(
+                f"softtrust sweep: note: max_steps={max_steps} is not a multiple of N={n}; "
+                "the last rollout is only partly used",
+                file=sys.stderr,
+            )
+    cells = sweep.cells()
+    for cell in cells:
+        check_same_settings(sweep, cell)
+    todo = [
+        c for c in cells if cell_status(c.directory(sweep.output_dir), max_steps) not in ("done", "stopped")
+    ]
+    skipped = [c.name for c in cells if c not in todo]
+    started = time.time()
+    ran, failed = execute(sweep, todo, len(cells), len(skipped), started)
+    report = write_report(sweep, wall_seconds=time.time() - started)
+    return {**report, "ran": ran, "skipped": skipped, "failed": failed}
+
+
+def execute(sweep: Sweep, todo: list[Cell], total: int, already: int, started: float):
+    """Run ``todo`` with at most ``sweep.jobs`` processes at once, under one progress bar."""
+    from tqdm.auto import tqdm
+
+    ran, failed, running = [], [], {}
+    queue = list(todo)
+    bar = tqdm(
+        total=total,
+        initial=already,
+        desc="sweep",
+        unit="cell",
+        disable=not sweep.progress,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    )
+    log_path = sweep.output_dir / "sweep-log.jsonl"
+    previous_handlers = stop_on_sigterm()
+    last_refresh, refresh_every = 0.0, 1.0 if sys.stderr.isatty() else 60.0
+    try:
+        while queue or running:
+            while queue and len(running) < sweep.jobs:
+                cell = queue.pop(0)
+                running[cell] = (start_cell(sweep, cell), time.time())
+            finished = [cell for cell, (process, _) in running.items() if process.poll() is not None]
+            for cell in finished:
+                process, cell_started = running.pop(cell)
+                process.log.close()
+                directory = cell.directory(sweep.output_dir)
+                record = {
+                    "cell": cell.name,
+                    "directory": str(directory),
+                    "returncode": process.returncode,
+                    "seconds": time.time() - cell_started,
+                    "finished": time.time(),
+                }
+                atomic_write_json(directory / "sweep-cell.json", record)
+                with open(log_path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+                ran.append(cell.name)
+                if process.returncode == EXIT_BAD_CONFIG:
+                    raise ValueError(f"{cell.name}: bad configuration; see {directory / 'train.log'}")
+                if process.returncode not in (0, EXIT_STOPPED):
+                    failed.append(cell.name)
+                bar.write(cell_line(cell, directory, record))
+                bar.update(1)
+            now = time.time()
+            if now - last_refresh >= refresh_every:  # the elapsed time moves even between cells
+                bar.set_postfix(running=len(running), failed=len(failed), elapsed=f"{now - started:.0f}s")
+                last_refresh = now
+            if running:
+                time.sleep(0.2)
+    finally:
+        for process, _ in running.values():  # interrupted: stop the children we started
+            process.terminate()
+            process.wait()
+            process.log.close()
+        bar.close()
+        restore_signals(previous_handlers)
+    return ran, failed
+
+
+def stop_on_sigterm() -> dict:
+    """``kill PID`` (SIGTERM) stops the sweep like Ctrl-C: its running cells are terminated
+    too (they resume from their last checkpoint next time)."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background with '&'
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, handler)
+    return previous
+
+
+def restore_signals(previous: dict) -> None:
+    import signal
+
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def cell_line(cell: Cell, directory: Path, record: dict) -> str:
+    summary_path = directory / "summary.json"
+    if record["returncode"] == 0 and summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        outcome = f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}"
+    elif record["returncode"] == EXIT_STOPPED:
+        outcome = "stopped (non-finite updates)"
+    else:
+        outcome = f"failed (exit {record['returncode']}; see {directory / 'train.log'})"
+    return f"{cell.name}: {outcome} in {record['seconds']:.0f} s"

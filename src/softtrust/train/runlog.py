@@ -1,0 +1,237 @@
+"""The run directory: ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, TensorBoard events,
+checkpoints, ``final/``, ``summary.json`` and the reward plot.
+
+A run directory is owned by one run. A new run refuses a directory that already holds a
+run's files (``RUN_FILES``) and says how to resume it or where else to go; the default
+name (``runs/<time>-<method>-N<N>-seed<seed>-<random>``) cannot collide. A resumed run
+writes into the directory it resumes (whatever ``output_dir`` its config recorded), keeps
+its metrics up to the checkpoint and drops any logged after it (they are logged again).
+Under ``torchrun`` only rank 0 writes; the other ranks hold a silent ``RunLog``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
+
+from .config import TrainConfig
+from .distributed import World
+
+# What a run writes into its directory: a directory holding any of them holds a run.
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "events.jsonl",
+    "summary.json",
+    "checkpoints",
+    "final",
+    "tensorboard",
+    "reward_curve.png",
+)
+
+
+def default_run_directory(config: TrainConfig) -> str:
+    """``runs/<UTC time>-<method>-N<N>-seed<seed>-<6 random hex digits>`` (K<K> in async mode)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    schedule = f"N{config.staleness}" if config.mode == "sync" else f"K{config.max_lag}"
+    return str(Path("runs") / f"{stamp}-{config.method}-{schedule}-seed{config.seed}-{secrets.token_hex(3)}")
+
+
+def check_new_run_directory(directory: Path) -> None:
+    """Refuse a directory that already holds a run (``RUN_FILES``), naming how to go on."""
+    if directory.is_file():
+        raise ValueError(f"output_dir: {str(directory)!r} is a file, not a directory")
+    found = sorted(name for name in RUN_FILES if (directory / name).exists())
+    if found:
+        raise ValueError(
+            f"output_dir: {str(directory)!r} already holds a run ({', '.join(found)}); resume it with "
+            f"--resume {directory}, or choose another --output-dir (or none, for a new unique one)"
+        )
+
+
+class RunLog:
+    """The run directory's writer (``RunLog.open``): metrics, events, summary, plot."""
+
+    def __init__(self, directory: Path, config: TrainConfig, writes: bool = True):
+        self.directory = directory
+        self.writes = writes
+        self.metrics_path = directory / "metrics.jsonl"
+        self.events_path = directory / "events.jsonl"
+        self.rewards: list[tuple[int, float]] = []
+        self.accuracies: list[tuple[int, float]] = []
+        self.tensorboard = None
+        if config.report_to == "tensorboard" and writes:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(directory / "tensorboard"))
+        self.last_postfix: dict = {}
+
+    @classmethod
+    def open(cls, config: TrainConfig, world: World | None = None) -> RunLog:
+        """The run directory of ``config``: a new one (refused if it holds a run), or on
+        ``resume`` the resumed run's own (``config.output_dir``, set by ``resume_config``).
+        Sets ``config.output_dir`` to the directory used; writes ``config.yaml``."""
+        world = world or World()
+        if config.output_dir is None:
+            config.output_dir = world.broadcast(default_run_directory(config))
+        directory = Path(config.output_dir)
+        problem = None
+        if world.is_main and config.resume is None:
+            try:
+                check_new_run_directory(directory)
+            except ValueError as error:
+                problem = str(error)
+        problem = world.broadcast(problem)  # every rank fails alike, before anything is written
+        if problem is not None:
+            raise ValueError(problem)
+        if not world.is_main:
+            return cls(directory, config, writes=False)
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(directory / "config.yaml", config.to_yaml())
+        run = cls(directory, config)
+        if config.resume is not None:
+            run.rewards = [(r["step"], r["reward/mean"]) for r in read_jsonl(run.metrics_path)]
+            run.accuracies = [(r["step"], r["eval/accuracy"]) for r in run._records() if "eval/accuracy" in r]
+        return run
+
+    def _records(self) -> list[dict]:
+        return read_jsonl(self.events_path) + read_jsonl(self.metrics_path)
+
+    def truncate_after(self, step: int) -> None:
+        """Keep the metrics and events up to ``step`` (a resume's checkpoint); a torn last line goes too."""
+        if not self.writes:
+            return
+        for path in (self.metrics_path, self.events_path):
+            if path.is_file():
+                kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+                atomic_write_text(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+        self.rewards = [(s, r) for s, r in self.rewards if s <= step]
+        self.accuracies = sorted({s: a for s, a in self.accuracies if s <= step}.items())
+
+    def log_event(self, record: dict) -> None:
+        if not self.writes:
+            return
+        if "eval/accuracy" in record:
+            self.accuracies.append((record["step"], record["eval/accuracy"]))
+            self.last_postfix["acc"] = f"{record['eval/accuracy']:.3f}"
+        with open(self.events_path, "a") as handle:
+            handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def log_step(self, metrics: dict, progress) -> None:
+        if not self.writes:
+            return
+        with open(self.metrics_path, "a") as handle:
+            handle.write(json.dumps(metrics, allow_nan=True) + "\n")
+        step = metrics["step"]
+        self.rewards.append((step, metrics["reward/mean"]))
+        if "eval/accuracy" in metrics:
+            self.accuracies.append((step, metrics["eval/accuracy"]))
+            self.last_postfix["acc"] = f"{metrics['eval/accuracy']:.3f}"
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(name, value, step)
+        weight = metrics.get("loss/phi/mean", metrics.get("loss/ratio/mean", float("nan")))
+        self.last_postfix.update(
+            reward=f"{metrics['reward/mean']:.3f}",
+            kl=f"{metrics['kl_behaviour']:.2e}",
+            w=f"{weight:.3f}",
+            lag=metrics["lag"],
+            tok_s=f"{metrics['tokens_per_second']:.0f}",
+        )
+        progress.set_postfix(self.last_postfix, refresh=False)
+        progress.update(1)
+
+    def progress_bar(self, config: TrainConfig, initial: int):
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=config.max_steps,
+            initial=initial,
+            desc=f"RL {config.method} N={config.staleness} {config.mode}",
+            disable=not (config.progress and self.writes),
+            dynamic_ncols=True,
+        )
+
+    def simple_bar(self, total: int, description: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=description, dynamic_ncols=True)
+
+    def finish(
+        self,
+        config: TrainConfig,
+        model,
+        tokenizer,
+        state,
+        accuracy_after: float,
+        wall_seconds: float,
+        model_state: dict[str, torch.Tensor] | None = None,
+    ) -> dict:
+        """Write ``final/`` (``model_state``: the gathered weights of an FSDP2 model) and the summary."""
+        final = self.directory / "final"
+        if self.writes:
+            save_final_model(final, model, tokenizer, model_state)
+        rewards = [reward for _, reward in self.rewards]
+        window = max(1, len(rewards) // 10)
+        summary = {
+            "accuracy_before": state.accuracy_before,
+            "accuracy_after": accuracy_after,
+            "reward_first": sum(rewards[:window]) / window if rewards else None,
+            "reward_last": sum(rewards[-window:]) / window if rewards else None,
+            "steps": state.step,
+            "method": config.method,
+            "staleness": config.staleness,
+            "mode": config.mode,
+            "max_lag": config.max_lag,
+            "wall_seconds": wall_seconds,
+            "nonfinite_skips": state.nonfinite_skips,
+            "reward_failures": state.reward_failures,
+            "completion_tokens": state.completion_tokens,
+            "device": str(next(model.parameters()).device),  # where the learner ran
+            "final_dir": str(final),
+        }
+        if not self.writes:
+            return summary
+        atomic_write_text(self.directory / "summary.json", json.dumps(summary, indent=2) + "\n")
+        self.plot()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        return summary
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(7, 4))
+        if self.rewards:
+            steps, rewards = zip(*self.rewards, strict=True)
+            axis.plot(steps, rewards, alpha=0.35, label="reward (per step)")
+            window = max(1, len(rewards) // 16)
+            axis.plot(steps, trailing_mean(list(rewards), window), label=f"reward (mean of {window})")
+        if self.accuracies:
+            steps, accuracies = zip(*self.accuracies, strict=True)
+            axis.plot(steps, accuracies, "o-", label="held-out greedy accuracy")
+        axis.set_xlabel("optimizer step")
+        axis.set_ylim(0, 1)
+        axis.legend()
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(self.directory / "reward_curve.png", dpi=100)
+        plt.close(figure)
+
+
+def save_final_model(directory: Path, model, tokenizer, model_state: dict[str, torch.Tensor] | None) -> None:
+    """``save_pretrained`` layout: the config, the weights (``model_state`` when the model is
+    sharded with FSDP2) and the tokenizer."""
+    model.save_pretrained(directory, state_dict=model_state)
+    tokenizer.save_pretrained(directory)

@@ -1,0 +1,45 @@
+"""``TrainState``: everything a training run changes as it goes, i.e. what a checkpoint saves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from .learner import Learner
+from .rollout import ProblemSampler
+from .staleness import RolloutSource
+
+COUNTERS = (
+    "nonfinite_skips",
+    "nonfinite_in_a_row",
+    "reward_failures",
+    "completion_tokens",
+    "accuracy_before",
+)
+
+
+@dataclass
+class TrainState:
+    """The learner (weights, optimizer, scheduler), the rollout source, the problem sampler's
+    random stream, the step and the running counters. ``checkpoint.save_state`` writes it and
+    ``checkpoint.restore_state`` reads it back."""
+
+    learner: Learner
+    rollouts: RolloutSource
+    sampler: ProblemSampler
+    step: int = 0
+    nonfinite_skips: int = 0
+    nonfinite_in_a_row: int = 0
+    reward_failures: int = 0
+    completion_tokens: int = 0
+    accuracy_before: float = math.nan
+
+    def counters(self) -> dict:
+        """The running totals (plain numbers: a checkpoint stores them as they are)."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+    def load_counters(self, counters: dict) -> None:
+        known = {f.name for f in fields(self)}
+        for name, value in counters.items():
+            if name in known and name in COUNTERS:
+                setattr(self, name, value)
