@@ -118,8 +118,13 @@ def test_threshold_is_minus_inf_without_truncation_and_a_row_value_with_it():
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), TRUNCATIONS)
-@pytest.mark.parametrize(("temperature", "chunk_size"), [(0.7, 5), (1.0, None), (1.3, 1), (1.3, N)])
-def test_values_entropy_and_grads_match_the_dense_float64_oracle(top_k, top_p, temperature, chunk_size):
+@pytest.mark.parametrize(
+    ("temperature", "chunk_size", "vocab_chunk_size"),
+    [(0.7, 5, 16), (1.0, None, None), (1.3, 1, 7), (1.3, N, V - 1), (0.7, 4, V)],
+)
+def test_values_entropy_and_grads_match_the_dense_float64_oracle(
+    top_k, top_p, temperature, chunk_size, vocab_chunk_size
+):
     hidden, weight, bias, labels = make_inputs(scale=0.6)
     labels[::3] = (hidden @ weight.T + bias).argmax(1)[::3]  # some labels in every support
     fused = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
@@ -131,6 +136,7 @@ def test_values_entropy_and_grads_match_the_dense_float64_oracle(top_k, top_p, t
         bias=fused[2],
         temperature=temperature,
         chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
         with_entropy=True,
         top_k=top_k,
         top_p=top_p,
@@ -154,7 +160,14 @@ def test_logprob_only_grads_match_in_float64_and_pass_gradcheck(top_k, top_p):
     )
     leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
     logprobs = token_logprobs(
-        *leaves[:2], labels, bias=leaves[2], temperature=0.8, chunk_size=3, top_k=top_k, top_p=top_p
+        *leaves[:2],
+        labels,
+        bias=leaves[2],
+        temperature=0.8,
+        chunk_size=3,
+        vocab_chunk_size=5,
+        top_k=top_k,
+        top_p=top_p,
     )
     ref, _, _ = dense_reference(*leaves, labels, 0.8, top_k, top_p)
     torch.testing.assert_close(logprobs, ref, atol=1e-12, rtol=1e-12)
@@ -320,16 +333,13 @@ def test_completion_logprobs_score_the_truncated_policy_of_the_model_logits():
         ({"top_p": True}, "top_p must be a number in .0, 1. or None.*got True"),
         ({"top_p": math.nan}, "top_p must be a finite number, got nan"),
         ({"top_p": "0.9"}, "top_p must be a finite number"),
-        ({"top_k": 4, "vocab_chunk_size": 16}, "vocab_chunk_size must be None with top_k/top_p"),
     ],
 )
 def test_bad_truncation_arguments_raise_value_errors_naming_them(kwargs, match):
     hidden, weight, _, labels = make_inputs()
     with pytest.raises(ValueError, match=match):
         token_logprobs(hidden, weight, labels, **kwargs)
-    truncation = {key: value for key, value in kwargs.items() if key in ("top_k", "top_p")}
-    if "vocab_chunk_size" not in kwargs:
-        with pytest.raises(ValueError, match=match):
-            truncation_mask(hidden @ weight.T, **truncation)
-        with pytest.raises(ValueError, match=match):
-            sample_truncated(hidden @ weight.T, **truncation)
+    with pytest.raises(ValueError, match=match):
+        truncation_mask(hidden @ weight.T, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        sample_truncated(hidden @ weight.T, **kwargs)

@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from softtrust import _triton
 from softtrust._validation import check_number, check_shape
-from softtrust.truncation import check_truncation, support_complement, truncated_row_statistics, truncates
+from softtrust.truncation import check_truncation, truncated_row_statistics, truncates, unpack_bits
 
 IGNORE_INDEX = -100
 # One tile holds at most this many logits: 4 Mi entries, 16 MiB in fp32 (2048 tokens x 2048
@@ -60,9 +60,9 @@ DEFAULT_VOCAB_CHUNK_SIZE = 2048
 # chunks are faster at small N but hold more than 25% of the unfused path's memory there.
 TILE_ELEMENTS_GPU = 1 << 27
 VOCAB_CHUNK_SIZE_GPU = 8192
-# Top-k/top-p tiles are whole rows, rows x V logits; the support's per-row sort holds about
-# 20 more bytes per logit (sorted values, int64 sort indices, softmax, cumulative sum), so
-# these tiles hold fewer logits than the default ones: 4 Mi on CPU, 32 Mi elsewhere.
+# The top-k/top-p forward runs blocks of whole rows, rows x V logits; the support's per-row
+# sort holds about 20 more bytes per logit (sorted values, int64 sort indices, softmax,
+# cumulative sum), so a block holds fewer logits than a default tile: 4 Mi on CPU, 32 Mi elsewhere.
 TRUNCATED_TILE_ELEMENTS = 1 << 22
 TRUNCATED_TILE_ELEMENTS_GPU = 1 << 25
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -126,13 +126,14 @@ def token_logprobs(
     kept it), never -inf. The gradient is the log-softmax gradient over ``S ∪ {y}``
     (``S`` is piecewise constant in ``z``: no gradient through it); the entropy is that
     of ``π̃`` over ``S ∪ {y}``. ``top_k=None`` and ``top_p`` None or 1 (or ``top_k >= V``)
-    take the default path, unchanged. The support needs whole rows: tiles are ``rows x V``
-    with ``rows = chunk_size`` or ``TRUNCATED_TILE_ELEMENTS // V`` (``_GPU`` off the
-    CPU), ``vocab_chunk_size`` must be None, and no Triton kernels run. Peak memory
-    above the default path: one such tile and, for top-p, its per-row sort, about 24
-    bytes per tile logit (about 100 MiB on CPU, 800 MiB elsewhere, whatever N); the
-    forward and backward each do one GEMM per tile as before, plus a sort for top-p
-    (a top-k for top-k).
+    take the default path, unchanged. The support needs whole rows: the forward runs
+    blocks of ``rows x V`` logits, one GEMM each, with ``rows = chunk_size`` or
+    ``TRUNCATED_TILE_ELEMENTS // V`` (``_GPU`` off the CPU), plus a ``topk`` (top-k) or a
+    per-row sort (top-p) per block; it saves the support packed, 1 bit per logit, and
+    backward runs the default tiles with the support read from it (no Triton kernels).
+    Memory above the default path: the packed support, ``N x V / 8`` bytes (19 MiB at
+    N = 1024, V = 151,936), and one block with its sort, about 24 bytes per block logit
+    (about 100 MiB on CPU, 800 MiB elsewhere, whatever N).
 
     Returns:
         ``logprobs`` of shape ``labels.shape``, float32 (float64 for float64 inputs);
@@ -152,10 +153,10 @@ def token_logprobs(
 
     tile_elements, default_vocab_chunk = default_tile(hidden.device)
     vocab_chunk = min(vocab_chunk_size or default_vocab_chunk, vocab)
-    truncation = (top_k, top_p) if truncates(top_k, top_p, vocab) else None
-    if truncation is not None:  # whole rows: the support needs them
-        tile_elements, vocab_chunk = truncated_tile_elements(hidden.device), vocab
     token_chunk = chunk_size or max(1, tile_elements // vocab_chunk)
+    truncation = None
+    if truncates(top_k, top_p, vocab):  # the support needs whole rows: forward blocks of rows x V logits
+        truncation = (top_k, top_p, chunk_size or max(1, truncated_tile_elements(hidden.device) // vocab))
     outputs = _FusedLinearLogSoftmax.apply(
         active_hidden,
         weight,
@@ -272,13 +273,13 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         vocab_chunk: int,
         gemm_dtype: torch.dtype,
         with_entropy: bool,
-        truncation: tuple[int | None, float | None] | None,
+        truncation: tuple[int | None, float | None, int] | None,  # (top_k, top_p, forward rows per block)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # Entropy is often only logged: let its gradient arrive as None instead of zeros.
         ctx.set_materialize_grads(False)
         with _autocast_off(hidden.device):
             if truncation is None:
-                threshold = None
+                support = None
                 log_normalizer, logprobs, entropy = _fold_tiles(
                     hidden,
                     weight,
@@ -291,25 +292,24 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                     with_entropy,
                 )
             else:
-                threshold, log_normalizer, logprobs, entropy = _truncated_rows(
+                support, log_normalizer, logprobs, entropy = _truncated_rows(
                     hidden,
                     weight,
                     bias,
                     labels,
                     inv_temperature,
-                    token_chunk,
                     gemm_dtype,
                     with_entropy,
-                    truncation,
+                    *truncation,
                 )
-        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy, threshold)
+        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy, support)
         ctx.config = (inv_temperature, token_chunk, vocab_chunk, gemm_dtype)
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        hidden, weight, bias, labels, log_normalizer, entropy, threshold = ctx.saved_tensors
+        hidden, weight, bias, labels, log_normalizer, entropy, support = ctx.saved_tensors
         inv_temperature, token_chunk, vocab_chunk, gemm_dtype = ctx.config
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         acc_dtype = log_normalizer.dtype
@@ -330,7 +330,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         scaled_hidden = (hidden * row_scale.unsqueeze(1)).to(gemm_dtype) if needs_weight else None  # [M, d]
         token_spans = list(_spans(hidden.shape[0], token_chunk))
         workspace = _Workspace(hidden.device)
-        kernels = grad_entropy is None and threshold is None and _kernels_apply(hidden, bias, acc_dtype)
+        kernels = grad_entropy is None and support is None and _kernels_apply(hidden, bias, acc_dtype)
         with _autocast_off(hidden.device):
             for v0, v1 in _spans(weight.shape[0], vocab_chunk):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
@@ -357,11 +357,9 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                         logits = _logits_tile(
                             hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
                         )  # [n, v] recomputed
-                        off_support = (  # top-k/top-p: the tile is whole rows, the forward's own tile
-                            None
-                            if threshold is None
-                            else support_complement(logits, threshold[n0:n1], local_labels)
-                        )  # [n, V]
+                        off_support = (  # top-k/top-p: the support the forward saw, S ∪ {y}
+                            None if support is None else ~unpack_bits(support[n0:n1], v0, v1)
+                        )  # [n, v]
                         grad_tile = _logits_grad_tile(
                             logits,
                             local_labels,
@@ -429,32 +427,36 @@ def _truncated_rows(
     bias: torch.Tensor | None,  # [V]
     labels: torch.Tensor,  # [M]
     inv_temperature: float,
-    token_chunk: int,
     gemm_dtype: torch.dtype,
     with_entropy: bool,
-    truncation: tuple[int | None, float | None],
+    top_k: int | None,
+    top_p: float | None,
+    rows_per_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward of the top-k/top-p path: ``(τ, log Σ_{S_y} e^z, log π̃_y, H or empty)`` per row, each [M].
+    """The forward of the top-k/top-p path: ``(support, log Σ_{S_y} e^z, log π̃_y, H or empty)`` per row.
 
-    The support needs whole rows: tiles are ``token_chunk x V``, the same tiles backward
-    recomputes (the same GEMM calls, so the same logits bit for bit and the same support).
+    The support needs whole rows: blocks of ``rows_per_block x V`` logits, one GEMM each.
+    It is saved packed, 1 bit per logit (``[M, ceil(V / 8)]`` uint8): backward recomputes
+    its own tiles with other GEMM shapes, whose rounding could move a logit across the
+    threshold, so it reads the forward's support instead of recomputing it.
     """
     acc_dtype = _accumulation_dtype(gemm_dtype)
     weight_gemm = weight.to(gemm_dtype)  # [V, d]
     bias_acc = None if bias is None else bias.to(acc_dtype)  # [V]
     workspace = _Workspace(hidden.device)
-    rows = [
+    statistics = [
         truncated_row_statistics(
             _logits_tile(
                 hidden[n0:n1], weight_gemm, bias_acc, inv_temperature, acc_dtype, workspace
             ),  # [n, V]
             labels[n0:n1],
-            *truncation,
+            top_k,
+            top_p,
             with_entropy,
         )
-        for n0, n1 in _spans(hidden.shape[0], token_chunk)
+        for n0, n1 in _spans(hidden.shape[0], rows_per_block)
     ]
-    return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))  # type: ignore[return-value]
+    return tuple(torch.cat(parts) for parts in zip(*statistics, strict=True))  # type: ignore[return-value]
 
 
 def _kernels_apply(hidden: torch.Tensor, bias: torch.Tensor | None, acc_dtype: torch.dtype) -> bool:
@@ -842,10 +844,6 @@ def _check_inputs(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     check_truncation(top_k, top_p)
-    if vocab_chunk_size is not None and (top_k is not None or top_p is not None):
-        raise ValueError(
-            f"vocab_chunk_size must be None with top_k/top_p (the support needs whole rows), got {vocab_chunk_size!r}"
-        )
 
 
 def _check_float_ndim(name: str, x: object, meaning: str, min_ndim: int, max_ndim: int | None = None) -> None:

@@ -171,7 +171,7 @@ def truncated_row_statistics(
     top_p: float | None,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(τ, log-normaliser, log π̃_y, entropy)`` of full rows; the forward of ``token_logprobs``' truncated path.
+    """``(support, log-normaliser, log π̃_y, entropy)`` of full rows; the forward of ``token_logprobs``' truncated path.
 
     The label is always in the learner's support: ``S_y = S ∪ {y}`` with ``S`` the
     truncation support of the row. On-policy ``y ∈ S`` and this is the sampler's truncated
@@ -185,22 +185,37 @@ def truncated_row_statistics(
         labels: ``[R]`` int64 in ``[0, V)``.
 
     Returns:
-        ``threshold [R]``, ``log_normalizer [R]`` (``log Σ_{S_y} e^z``), ``logprobs [R]``,
-        ``entropy [R]`` of ``π̃`` over ``S_y`` (empty unless ``with_entropy``).
+        ``support [R, ceil(V / 8)]`` uint8, ``S_y`` packed 8 tokens a byte (:func:`pack_bits`),
+        ``log_normalizer [R]`` (``log Σ_{S_y} e^z``), ``logprobs [R]``, ``entropy [R]`` of
+        ``π̃`` over ``S_y`` (empty unless ``with_entropy``).
     """
     threshold = truncation_threshold(logits, top_k, top_p)  # [R]
     target = logits.gather(1, labels.unsqueeze(1)).squeeze(1)  # z_y  [R]
-    off_support = support_complement(logits, threshold, labels)  # [R, V]
-    masked = logits.masked_fill_(off_support, -torch.inf)  # [R, V]
+    in_support = (logits >= threshold.unsqueeze(1)).scatter_(1, labels.unsqueeze(1), True)  # S ∪ {y}  [R, V]
+    masked = logits.masked_fill_(~in_support, -torch.inf)  # [R, V]
     log_normalizer = torch.logsumexp(masked, dim=1)  # [R]
     entropy = logits.new_empty(0)
     if with_entropy:
         probs = masked.sub_(log_normalizer.unsqueeze(1)).exp_()  # π̃, 0 off the support  [R, V]
         entropy = -torch.special.xlogy(probs, probs).sum(1)  # 0 log 0 = 0  [R]
-    return threshold, log_normalizer, target - log_normalizer, entropy
+    return pack_bits(in_support), log_normalizer, target - log_normalizer, entropy
 
 
-def support_complement(logits: torch.Tensor, threshold: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``[R, V]`` bool, True off the learner's support ``{j : z_j >= τ} ∪ {y}`` (the label always stays)."""
-    off_support = logits < threshold.unsqueeze(1)  # [R, V]
-    return off_support.scatter_(1, labels.unsqueeze(1), False)
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """``[R, V]`` bool -> ``[R, ceil(V / 8)]`` uint8, column ``j`` in bit ``j % 8`` of byte ``j // 8``."""
+    rows, width = mask.shape
+    padded = torch.nn.functional.pad(mask, (0, -width % 8)).view(rows, -1, 8)  # [R, V8, 8]
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (padded.to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)  # distinct bits: the sum is an OR
+
+
+def unpack_bits(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Columns ``[start, stop)`` of the ``[R, V]`` bool mask that :func:`pack_bits` packed ([R, stop - start])."""
+    first = start // 8
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    bits = (packed[:, first : -(-stop // 8), None] & weights) != 0  # [R, bytes, 8]
+    offset = start - 8 * first
+    return bits.flatten(1)[:, offset : offset + stop - start]
