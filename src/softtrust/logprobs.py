@@ -60,10 +60,12 @@ DEFAULT_VOCAB_CHUNK_SIZE = 2048
 # chunks are faster at small N but hold more than 25% of the unfused path's memory there.
 TILE_ELEMENTS_GPU = 1 << 27
 VOCAB_CHUNK_SIZE_GPU = 8192
-# The top-k/top-p forward runs blocks of whole rows, rows x V logits; the support's per-row
-# sort holds about 20 more bytes per logit (sorted values, int64 sort indices, softmax,
-# cumulative sum), so a block holds fewer logits than a default tile: 4 Mi on CPU, 32 Mi elsewhere.
-TRUNCATED_TILE_ELEMENTS = 1 << 22
+# The top-k/top-p forward runs blocks of whole rows, rows x V logits, one GEMM each. Few rows
+# make a slow GEMM (W is read once per block: on 2 EPYC cores, V = 151,936, 9.6 ms a row at
+# 27 rows, 5.1 at 110), but the support's per-row sort holds about 20 bytes per logit next
+# to the logits (sorted values, int64 sort indices, softmax, cumulative sum): 8 Mi logits
+# a block on CPU (55 rows at V = 151,936, about 200 MiB with its sort), 32 Mi elsewhere.
+TRUNCATED_TILE_ELEMENTS = 1 << 23
 TRUNCATED_TILE_ELEMENTS_GPU = 1 << 25
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -133,7 +135,7 @@ def token_logprobs(
     backward runs the default tiles with the support read from it (no Triton kernels).
     Memory above the default path: the packed support, ``N x V / 8`` bytes (19 MiB at
     N = 1024, V = 151,936), and one block with its sort, about 24 bytes per block logit
-    (about 100 MiB on CPU, 800 MiB elsewhere, whatever N).
+    (about 200 MiB on CPU, 800 MiB elsewhere, whatever N).
 
     Returns:
         ``logprobs`` of shape ``labels.shape``, float32 (float64 for float64 inputs);

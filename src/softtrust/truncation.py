@@ -85,7 +85,8 @@ def truncation_threshold(
         else logits.masked_fill(logits < threshold[..., None], -torch.inf)
     )
     ascending = kept.sort(dim=-1).values  # [..., V]
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # [..., V], nondecreasing
+    del kept  # memory: the logits, the sorted row and its softmax at most
+    cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)  # [..., V], nondecreasing
     # HF/vLLM: the ascending prefix with cumulative mass <= 1 - top_p goes; the largest always stays.
     removed = (cumulative <= (1 - top_p)).sum(dim=-1).clamp(max=vocab - 1)  # [...]
     return ascending.gather(-1, removed.unsqueeze(-1)).squeeze(-1)  # smallest kept value  [...]
