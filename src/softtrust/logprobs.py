@@ -446,8 +446,15 @@ def _truncated_rows(
     weight_gemm = weight.to(gemm_dtype)  # [V, d]
     bias_acc = None if bias is None else bias.to(acc_dtype)  # [V]
     workspace = _Workspace(hidden.device)
-    statistics = [
-        truncated_row_statistics(
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    # Outputs allocated up front: a block's results, allocated between its temporaries, would
+    # pin them in glibc's heap (measured: +535 MiB resident at N = 1024, V = 151,936).
+    outputs = (
+        torch.empty(rows, -(-vocab // 8), dtype=torch.uint8, device=hidden.device),  # support
+        *(torch.empty(rows, dtype=acc_dtype, device=hidden.device) for _ in range(3 if with_entropy else 2)),
+    )
+    for n0, n1 in _spans(rows, rows_per_block):
+        block = truncated_row_statistics(
             _logits_tile(
                 hidden[n0:n1], weight_gemm, bias_acc, inv_temperature, acc_dtype, workspace
             ),  # [n, V]
@@ -456,9 +463,10 @@ def _truncated_rows(
             top_p,
             with_entropy,
         )
-        for n0, n1 in _spans(hidden.shape[0], rows_per_block)
-    ]
-    return tuple(torch.cat(parts) for parts in zip(*statistics, strict=True))  # type: ignore[return-value]
+        for out, value in zip(outputs, block, strict=False):
+            out[n0:n1].copy_(value)
+        del block
+    return outputs if with_entropy else (*outputs, outputs[1].new_empty(0))  # type: ignore[return-value]
 
 
 def _kernels_apply(hidden: torch.Tensor, bias: torch.Tensor | None, acc_dtype: torch.dtype) -> bool:
