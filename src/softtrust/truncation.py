@@ -29,6 +29,13 @@ on the temperature-scaled logits ``z = logits / T`` of one row, ``V`` entries:
 
 ``top_k`` and ``top_p`` both ``None`` (or ``top_k >= V``, ``top_p == 1``) is no truncation.
 min-p, typical-p and the like are not covered.
+
+The learner's support is stateless: recomputed from the current logits, not recorded by the
+sampler (DeepSeek-V3.2's "keep sampling mask" records it instead).
+
+References: top-k sampling, Fan et al., Hierarchical Neural Story Generation (arXiv
+1805.04833); top-p (nucleus) sampling, Holtzman et al., The Curious Case of Neural Text
+Degeneration (arXiv 1904.09751).
 """
 
 from __future__ import annotations
