@@ -343,3 +343,15 @@ def test_bad_truncation_arguments_raise_value_errors_naming_them(kwargs, match):
         truncation_mask(hidden @ weight.T, **kwargs)
     with pytest.raises(ValueError, match=match):
         sample_truncated(hidden @ weight.T, **kwargs)
+
+
+def test_without_truncation_the_sampler_helper_draws_what_the_trainer_sampler_draws():
+    # The trainer's inverse-CDF sampler (rollout.py) can switch to sample_truncated unchanged.
+    rollout = pytest.importorskip("softtrust.train.rollout")
+    generator = torch.Generator().manual_seed(6)
+    logits = 2.0 * torch.randn(64, 50, generator=generator)
+    uniform = torch.rand(64, generator=generator, dtype=torch.float64)
+    log_probs = torch.log_softmax(logits / 0.7, dim=-1)
+    tokens, logprobs = sample_truncated(logits, temperature=0.7, uniform=uniform)
+    assert torch.equal(tokens, rollout.inverse_cdf_sample(log_probs, uniform))
+    assert torch.equal(logprobs, log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1))
