@@ -40,6 +40,7 @@ from torch.autograd.function import once_differentiable
 
 from softtrust import _triton
 from softtrust._validation import check_number, check_shape
+from softtrust.truncation import check_truncation, truncated_row_statistics, truncates, unpack_bits
 
 IGNORE_INDEX = -100
 # One tile holds at most this many logits: 4 Mi entries, 16 MiB in fp32 (2048 tokens x 2048
@@ -59,6 +60,13 @@ DEFAULT_VOCAB_CHUNK_SIZE = 2048
 # chunks are faster at small N but hold more than 25% of the unfused path's memory there.
 TILE_ELEMENTS_GPU = 1 << 27
 VOCAB_CHUNK_SIZE_GPU = 8192
+# The top-k/top-p forward runs blocks of whole rows, rows x V logits, one GEMM each. Few rows
+# make a slow GEMM (W is read once per block: on 2 EPYC cores, V = 151,936, 9.6 ms a row at
+# 27 rows, 5.1 at 110), but the support's per-row sort holds about 20 bytes per logit next
+# to the logits (sorted values, int64 sort indices, softmax, cumulative sum): 8 Mi logits
+# a block on CPU (55 rows at V = 151,936, about 200 MiB with its sort), 32 Mi elsewhere.
+TRUNCATED_TILE_ELEMENTS = 1 << 23
+TRUNCATED_TILE_ELEMENTS_GPU = 1 << 25
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
@@ -73,6 +81,8 @@ def token_logprobs(
     vocab_chunk_size: int | None = None,
     with_entropy: bool = False,
     ignore_index: int = IGNORE_INDEX,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each label under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -101,12 +111,37 @@ def token_logprobs(
         with_entropy: also return the entropy of each row's distribution.
         ignore_index: rows with this label are skipped entirely (never go through the
             LM head): log-prob 0, entropy 0, zero gradient, whatever their label.
+        top_k: score the truncated policy of top-k sampling (an int >= 1), or None.
+        top_p: score the truncated policy of top-p (nucleus) sampling (in (0, 1]), or None.
+
+    Truncated sampling (``top_k`` / ``top_p``): the policy scored is the one a top-k/top-p
+    sampler draws from, ``π̃_j = p_j / Σ_{i∈S} p_i`` on its support ``S``. ``S`` is
+    recomputed from the current logits ``z = (h·W + b) / T`` by
+    :func:`softtrust.truncation.truncation_threshold`, the rule the sampler helpers
+    (``truncated_log_softmax``, ``sample_truncated``) use: temperature, then top-k (every
+    logit >= the k-th largest is kept, ties included), then top-p on the top-k-renormalised
+    row (HF/vLLM: drop the ascending-sorted prefix whose cumulative probability is
+    <= 1 - top_p, never the largest logit; ties with the smallest kept logit are kept).
+    Then ``log π̃_y = z_y - log Σ_{j∈S∪{y}} e^{z_j}``: on-policy (``y ∈ S``) the sampler's
+    renormalised log-prob, so the ratio is 1; a stale label outside the current support
+    gets a finite value below every supported token's (its probability had the support
+    kept it), never -inf. The gradient is the log-softmax gradient over ``S ∪ {y}``
+    (``S`` is piecewise constant in ``z``: no gradient through it); the entropy is that
+    of ``π̃`` over ``S ∪ {y}``. ``top_k=None`` and ``top_p`` None or 1 (or ``top_k >= V``)
+    take the default path, unchanged. The support needs whole rows: the forward runs
+    blocks of ``rows x V`` logits, one GEMM each, with ``rows = chunk_size`` or
+    ``TRUNCATED_TILE_ELEMENTS // V`` (``_GPU`` off the CPU), plus a ``topk`` (top-k) or a
+    per-row sort (top-p) per block; it saves the support packed, 1 bit per logit, and
+    backward runs the default tiles with the support read from it (no Triton kernels).
+    Memory above the default path: the packed support, ``N x V / 8`` bytes (19 MiB at
+    N = 1024, V = 151,936), and one block with its sort, about 24 bytes per block logit
+    (about 200 MiB on CPU, 800 MiB elsewhere, whatever N).
 
     Returns:
         ``logprobs`` of shape ``labels.shape``, float32 (float64 for float64 inputs);
         ``(logprobs, entropy)`` when ``with_entropy`` is true.
     """
-    _check_inputs(hidden, weight, labels, bias, temperature, chunk_size, vocab_chunk_size)
+    _check_inputs(hidden, weight, labels, bias, temperature, chunk_size, vocab_chunk_size, top_k, top_p)
     dim, vocab = hidden.shape[-1], weight.shape[0]
     flat_hidden = hidden.reshape(-1, dim)  # [N, d]
     flat_labels = labels.reshape(-1)  # [N]
@@ -121,6 +156,9 @@ def token_logprobs(
     tile_elements, default_vocab_chunk = default_tile(hidden.device)
     vocab_chunk = min(vocab_chunk_size or default_vocab_chunk, vocab)
     token_chunk = chunk_size or max(1, tile_elements // vocab_chunk)
+    truncation = None
+    if truncates(top_k, top_p, vocab):  # the support needs whole rows: forward blocks of rows x V logits
+        truncation = (top_k, top_p, chunk_size or max(1, truncated_tile_elements(hidden.device) // vocab))
     outputs = _FusedLinearLogSoftmax.apply(
         active_hidden,
         weight,
@@ -131,10 +169,16 @@ def token_logprobs(
         vocab_chunk,
         _gemm_dtype(hidden, weight),
         with_entropy,
+        truncation,
     )
     outputs = outputs if with_entropy else (outputs,)
     outputs = tuple(_scatter_rows(x, rows, flat_labels.numel()).view(labels.shape) for x in outputs)
     return outputs if with_entropy else outputs[0]
+
+
+def truncated_tile_elements(device: torch.device) -> int:
+    """Logits per tile of the top-k/top-p path (tiles of whole rows): ``TRUNCATED_TILE_ELEMENTS`` on CPU, else ``_GPU``."""
+    return TRUNCATED_TILE_ELEMENTS if device.type == "cpu" else TRUNCATED_TILE_ELEMENTS_GPU
 
 
 def default_tile(device: torch.device) -> tuple[int, int]:
@@ -159,6 +203,8 @@ def completion_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the last ``logits_to_keep`` tokens of ``input_ids`` under a Hugging Face causal LM.
 
@@ -180,6 +226,7 @@ def completion_logprobs(
         temperature: logits are divided by it (> 0).
         with_entropy: also return the per-token entropy.
         chunk_size: tokens per tile, passed to ``token_logprobs``.
+        top_k, top_p: score the truncated sampling policy (``token_logprobs``).
 
     Returns:
         [B, K] float32 log-probs, and the [B, K] entropies when ``with_entropy``.
@@ -208,6 +255,8 @@ def completion_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        top_k=top_k,
+        top_p=top_p,
     )
 
 
@@ -226,40 +275,43 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         vocab_chunk: int,
         gemm_dtype: torch.dtype,
         with_entropy: bool,
+        truncation: tuple[int | None, float | None, int] | None,  # (top_k, top_p, forward rows per block)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # Entropy is often only logged: let its gradient arrive as None instead of zeros.
         ctx.set_materialize_grads(False)
-        acc_dtype = _accumulation_dtype(gemm_dtype)
-        state_type = _OnlineLogSumExpEntropy if with_entropy else _OnlineLogSumExp
-        state = state_type.empty(hidden.shape[0], acc_dtype, hidden.device)
-        workspace = _Workspace(hidden.device)
-        kernels = not with_entropy and _kernels_apply(hidden, bias, acc_dtype)
         with _autocast_off(hidden.device):
-            for v0, v1 in _spans(weight.shape[0], vocab_chunk):
-                weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
-                bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
-                for n0, n1 in _spans(hidden.shape[0], token_chunk):
-                    local_labels = labels[n0:n1] - v0  # [n]
-                    if kernels:  # the GEMM, then one Triton kernel folds the tile (temperature included)
-                        raw = _logits_tile(
-                            hidden[n0:n1], weight_chunk, None, 1.0, acc_dtype, workspace
-                        )  # [n, v]
-                        running, target = state.log_normalizer[n0:n1], state.target[n0:n1]  # [n] each
-                        _triton.fold(raw, local_labels, inv_temperature, running, target, first=v0 == 0)
-                    else:
-                        logits = _logits_tile(
-                            hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
-                        )  # [n, v]
-                        state.fold(logits, local_labels, n0, n1, first=v0 == 0, workspace=workspace)
-        log_normalizer, logprobs, entropy = state.finish()  # [M] each
-        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy)
+            if truncation is None:
+                support = None
+                log_normalizer, logprobs, entropy = _fold_tiles(
+                    hidden,
+                    weight,
+                    bias,
+                    labels,
+                    inv_temperature,
+                    token_chunk,
+                    vocab_chunk,
+                    gemm_dtype,
+                    with_entropy,
+                )
+            else:
+                support, log_normalizer, logprobs, entropy = _truncated_rows(
+                    hidden,
+                    weight,
+                    bias,
+                    labels,
+                    inv_temperature,
+                    gemm_dtype,
+                    with_entropy,
+                    *truncation,
+                )
+        ctx.save_for_backward(hidden, weight, bias, labels, log_normalizer, entropy, support)
         ctx.config = (inv_temperature, token_chunk, vocab_chunk, gemm_dtype)
         return (logprobs, entropy) if with_entropy else logprobs
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        hidden, weight, bias, labels, log_normalizer, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, log_normalizer, entropy, support = ctx.saved_tensors
         inv_temperature, token_chunk, vocab_chunk, gemm_dtype = ctx.config
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         acc_dtype = log_normalizer.dtype
@@ -280,7 +332,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         scaled_hidden = (hidden * row_scale.unsqueeze(1)).to(gemm_dtype) if needs_weight else None  # [M, d]
         token_spans = list(_spans(hidden.shape[0], token_chunk))
         workspace = _Workspace(hidden.device)
-        kernels = grad_entropy is None and _kernels_apply(hidden, bias, acc_dtype)
+        kernels = grad_entropy is None and support is None and _kernels_apply(hidden, bias, acc_dtype)
         with _autocast_off(hidden.device):
             for v0, v1 in _spans(weight.shape[0], vocab_chunk):
                 weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
@@ -307,6 +359,9 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                         logits = _logits_tile(
                             hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
                         )  # [n, v] recomputed
+                        off_support = (  # top-k/top-p: the support the forward saw, S ∪ {y}
+                            None if support is None else ~unpack_bits(support[n0:n1], v0, v1)
+                        )  # [n, v]
                         grad_tile = _logits_grad_tile(
                             logits,
                             local_labels,
@@ -315,6 +370,7 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
                             None if grad_logprobs is None else grad_logprobs[n0:n1],
                             None if grad_entropy is None else grad_entropy[n0:n1],
                             workspace,
+                            off_support,
                         )  # [n, v]
                         if grad_bias is not None:
                             grad_bias[v0:v1] += grad_tile.T @ row_scale[n0:n1]  # [v]
@@ -331,6 +387,86 @@ class _FusedLinearLogSoftmax(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden.mul_(row_scale.unsqueeze(1))  # dh = row_scale ⊙ Σ_c tile_c @ W_c
         return _grads_out(grad_hidden, grad_weight, grad_bias, hidden, bias)
+
+
+def _fold_tiles(
+    hidden: torch.Tensor,  # [M, d]
+    weight: torch.Tensor,  # [V, d]
+    bias: torch.Tensor | None,  # [V]
+    labels: torch.Tensor,  # [M]
+    inv_temperature: float,
+    token_chunk: int,
+    vocab_chunk: int,
+    gemm_dtype: torch.dtype,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward over tiles: ``(logsumexp, log p_y, H or empty)`` per row, each [M]."""
+    acc_dtype = _accumulation_dtype(gemm_dtype)
+    state_type = _OnlineLogSumExpEntropy if with_entropy else _OnlineLogSumExp
+    state = state_type.empty(hidden.shape[0], acc_dtype, hidden.device)
+    workspace = _Workspace(hidden.device)
+    kernels = not with_entropy and _kernels_apply(hidden, bias, acc_dtype)
+    for v0, v1 in _spans(weight.shape[0], vocab_chunk):
+        weight_chunk = weight[v0:v1].to(gemm_dtype)  # [v, d]
+        bias_chunk = None if bias is None else bias[v0:v1].to(acc_dtype)  # [v]
+        for n0, n1 in _spans(hidden.shape[0], token_chunk):
+            local_labels = labels[n0:n1] - v0  # [n]
+            if kernels:  # the GEMM, then one Triton kernel folds the tile (temperature included)
+                raw = _logits_tile(hidden[n0:n1], weight_chunk, None, 1.0, acc_dtype, workspace)  # [n, v]
+                running, target = state.log_normalizer[n0:n1], state.target[n0:n1]  # [n] each
+                _triton.fold(raw, local_labels, inv_temperature, running, target, first=v0 == 0)
+            else:
+                logits = _logits_tile(
+                    hidden[n0:n1], weight_chunk, bias_chunk, inv_temperature, acc_dtype, workspace
+                )  # [n, v]
+                state.fold(logits, local_labels, n0, n1, first=v0 == 0, workspace=workspace)
+    return state.finish()
+
+
+def _truncated_rows(
+    hidden: torch.Tensor,  # [M, d]
+    weight: torch.Tensor,  # [V, d]
+    bias: torch.Tensor | None,  # [V]
+    labels: torch.Tensor,  # [M]
+    inv_temperature: float,
+    gemm_dtype: torch.dtype,
+    with_entropy: bool,
+    top_k: int | None,
+    top_p: float | None,
+    rows_per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward of the top-k/top-p path: ``(support, log Σ_{S_y} e^z, log π̃_y, H or empty)`` per row.
+
+    The support needs whole rows: blocks of ``rows_per_block x V`` logits, one GEMM each.
+    It is saved packed, 1 bit per logit (``[M, ceil(V / 8)]`` uint8): backward recomputes
+    its own tiles with other GEMM shapes, whose rounding could move a logit across the
+    threshold, so it reads the forward's support instead of recomputing it.
+    """
+    acc_dtype = _accumulation_dtype(gemm_dtype)
+    weight_gemm = weight.to(gemm_dtype)  # [V, d]
+    bias_acc = None if bias is None else bias.to(acc_dtype)  # [V]
+    workspace = _Workspace(hidden.device)
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    # Outputs allocated up front: a block's results, allocated between its temporaries, would
+    # pin them in glibc's heap (measured: +535 MiB resident at N = 1024, V = 151,936).
+    outputs = (
+        torch.empty(rows, -(-vocab // 8), dtype=torch.uint8, device=hidden.device),  # support
+        *(torch.empty(rows, dtype=acc_dtype, device=hidden.device) for _ in range(3 if with_entropy else 2)),
+    )
+    for n0, n1 in _spans(rows, rows_per_block):
+        block = truncated_row_statistics(
+            _logits_tile(
+                hidden[n0:n1], weight_gemm, bias_acc, inv_temperature, acc_dtype, workspace
+            ),  # [n, V]
+            labels[n0:n1],
+            top_k,
+            top_p,
+            with_entropy,
+        )
+        for out, value in zip(outputs, block, strict=False):
+            out[n0:n1].copy_(value)
+        del block
+    return outputs if with_entropy else (*outputs, outputs[1].new_empty(0))  # type: ignore[return-value]
 
 
 def _kernels_apply(hidden: torch.Tensor, bias: torch.Tensor | None, acc_dtype: torch.dtype) -> bool:
@@ -583,11 +719,15 @@ def _logits_grad_tile(
     grad_logprobs: torch.Tensor | None,  # [n]
     grad_entropy: torch.Tensor | None,  # [n]
     workspace: _Workspace,
+    off_support: torch.Tensor | None = None,  # [n, v] bool, top-k/top-p only
 ) -> torch.Tensor:
     """The logits gradient of one tile, up to the factor of ``_row_scale``.
 
     ``dz_j = (g (1[j=y] - p_j) - e p_j (log p_j + H)) / T``; the tile is ``p - onehot``
     without an entropy gradient, ``-p_j (g + e (log p_j + H)) + g 1[j=y]`` with one.
+    With ``off_support`` (truncated sampling) ``p`` is the renormalised ``π̃``, 0 off the
+    support: the ``p_j`` terms are zeroed there (before the label's term is added, so a
+    label is never dropped), which is the gradient of the log-softmax restricted to the support.
     """
     log_probs = logits.sub_(log_normalizer.unsqueeze(1))  # log p_j = z_j - L  [n, v]
     width = log_probs.shape[1]
@@ -596,6 +736,8 @@ def _logits_grad_tile(
 
     if grad_entropy is None:
         tile = log_probs.exp_()  # p_j  [n, v]
+        if off_support is not None:
+            tile.masked_fill_(off_support, 0.0)
         # p - onehot: subtract 1 at the label, only for rows whose label falls in this chunk.
         tile.scatter_add_(1, label_column, torch.where(in_chunk, -1.0, 0.0).to(tile.dtype).unsqueeze(1))
         return tile
@@ -605,6 +747,8 @@ def _logits_grad_tile(
     if grad_logprobs is not None:
         coeff.add_(grad_logprobs.unsqueeze(1))  # g + e (log p_j + H)
     tile = probs.mul_(coeff).neg_()  # -p_j (g + e (log p_j + H))  [n, v]
+    if off_support is not None:
+        tile.masked_fill_(off_support, 0.0)  # finite before: z_j - L is finite off the support
     if grad_logprobs is not None:
         tile.scatter_add_(1, label_column, torch.where(in_chunk, grad_logprobs, 0).unsqueeze(1))  # + g 1[j=y]
     return tile
@@ -628,7 +772,7 @@ def _grads_out(
     """Gradients in each input's dtype, ``None`` for the non-tensor arguments."""
     grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
     grad_bias = None if grad_bias is None or bias is None else grad_bias.to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
@@ -686,6 +830,8 @@ def _check_inputs(
     temperature: float,
     chunk_size: int | None,
     vocab_chunk_size: int | None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> None:
     """Shapes, dtypes and hyperparameters of ``token_logprobs``; raises ``ValueError`` naming the argument."""
     _check_float_ndim("hidden", hidden, "(N, d) or (B, T, d)", min_ndim=2)
@@ -707,6 +853,7 @@ def _check_inputs(
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    check_truncation(top_k, top_p)
 
 
 def _check_float_ndim(name: str, x: object, meaning: str, min_ndim: int, max_ndim: int | None = None) -> None:
