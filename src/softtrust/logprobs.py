@@ -55,7 +55,6 @@ from softtrust._tiles import (
     _spans,
     _Workspace,
 )
-from softtrust._tiles import _tile_logsumexp as _tile_logsumexp  # re-exported: tests import it from here
 from softtrust._validation import check_number, check_shape
 from softtrust.truncation import check_truncation, truncated_row_statistics, truncates, unpack_bits
 
