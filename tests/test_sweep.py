@@ -306,7 +306,7 @@ def test_bad_method_parameter_or_unknown_flag_fails_before_any_run(sweep_env, tm
 def test_mean_std_ci_uses_the_student_t_quantile():
     stat = mean_std_ci([0.2, 0.4, 0.6])
     assert stat["mean"] == pytest.approx(0.4) and stat["std"] == pytest.approx(0.2)
-    assert stat["ci95"] == pytest.approx(4.303 * 0.2 / math.sqrt(3))
+    assert stat["ci95"] == pytest.approx(4.3026527 * 0.2 / math.sqrt(3))  # t_{0.975, 2} = 4.3026527...
     assert mean_std_ci([0.5])["ci95"] is None
 
 
@@ -442,8 +442,8 @@ def synthetic_report(finals: dict, seeds=(0, 1, 2)) -> dict:
 
 
 def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_zero():
-    from softtrust.study.analysis import paired_differences
-    from softtrust.study.markdown import _paired_table
+    from softtrust.study.analysis import holm_adjust, paired_differences
+    from softtrust.study.markdown import _tests_table
 
     report = synthetic_report(
         {
@@ -457,7 +457,7 @@ def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_ze
     drop = entries[("clip: N = 64 − N = 4", "final_accuracy")]
     assert drop["values"] == pytest.approx([-0.10, -0.09, -0.11])
     assert drop["mean"] == pytest.approx(-0.10)
-    assert drop["ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3))
+    assert drop["ci95"] == pytest.approx(4.3026527 * 0.01 / math.sqrt(3))
     assert drop["excludes_zero"]
     # unpaired, the same numbers would not separate: the per-cell intervals overlap widely
     assert mean_std_ci([0.50, 0.30, 0.70])["ci95"] > 0.4
@@ -469,10 +469,14 @@ def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_ze
     assert ahead["values"] == pytest.approx([0.05, -0.02, 0.05]) and not ahead["excludes_zero"]
     assert ("clip − vespo at N = 4", "final_accuracy") not in entries  # vespo is the reference
 
-    report["paired"] = list(entries.values())
-    table = "\n".join(_paired_table(report))
-    assert "| clip: N = 64 − N = 4 | **-10.0 ± 2.5** | **-5.0 ± 1.2** |" in table
-    assert "| vespo: N = 64 − N = 4 | -0.5 ± 31.8 (n = 2) |" in table
+    report["paired"] = holm_adjust(list(entries.values()))
+    table = "\n".join(_tests_table(report, "paired", "Paired differences"))
+    # t = -0.10 / (0.01 / √3) = -17.3 on 2 d.f.: p = 0.0033; times 8 tests (Holm's first step) = 0.027
+    assert (
+        "| clip: N = 64 − N = 4 | final accuracy | **-10.0 ± 2.5** | 0 / 3 | paired t | 0.003 | **0.027** |"
+        in table
+    )
+    assert "| vespo: N = 64 − N = 4 | final accuracy | -0.5 ± 31.8 (n = 2) | 1 / 1 | paired t |" in table
 
 
 def test_report_tables_mark_cells_with_fewer_seeds_than_the_grid():

@@ -57,6 +57,12 @@ def add_sweep_arguments(parser) -> None:
         "--report-only", action="store_true", help="Only rewrite the report from the runs already there."
     )
     parser.add_argument(
+        "--allow-mixed-code",
+        action="store_true",
+        help="Report (and pair) runs made by different code (git commit or package versions); "
+        "by default the report refuses them, naming the cells of each code.",
+    )
+    parser.add_argument(
         "--no-progress", dest="sweep_progress", action="store_false", help="No progress bar for the grid."
     )
 
@@ -107,6 +113,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
         jobs=jobs,
         progress=arguments.sweep_progress,
         lrs=parse_lrs(arguments.lrs) if arguments.lrs else preset.get("lrs"),
+        allow_mixed_code=getattr(arguments, "allow_mixed_code", False),
     )
 
 

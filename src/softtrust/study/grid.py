@@ -143,6 +143,7 @@ class Sweep:
     jobs: int = 1
     progress: bool = True
     lrs: list[float] | None = None  # the learning-rate axis (None: lr is a shared setting)
+    allow_mixed_code: bool = False  # report runs made by different code (commit / versions) anyway
 
     @property
     def mode(self) -> str:
