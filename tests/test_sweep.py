@@ -150,6 +150,14 @@ def test_smoke_sweep_runs_the_grid_and_writes_all_four_outputs(sweep_env, tmp_pa
         events = [json.loads(line) for line in Path(run["run_dir"], "events.jsonl").read_text().splitlines()]
         warm_starts |= {e["warmstart"] for e in events if "warmstart" in e}
     assert len(warm_starts) == 1  # the same cached warm start for every cell of the seed
+    # every run records the code that made it (the trainer writes it; this checkout is a git tree)
+    from softtrust._provenance import provenance
+
+    expected = provenance()
+    assert all(run["provenance"] == expected for record in report["records"] for run in record["runs"])
+    assert expected["git_commit"] and {"softtrust", "torch", "transformers"} <= set(expected["versions"])
+    assert len(report["code"]) == 1 and not report["mixed_code"]
+    assert {p["metric"] for p in report["lag_profile"]} >= {"loss/ess", "kl_behaviour", "loss/ratio/mean"}
 
     table = (output / "summary.md").read_text()
     assert "| N | clip | vespo |" in table
