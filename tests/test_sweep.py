@@ -18,7 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from softtrust.cli import main
-from softtrust.study import EXIT_STOPPED, CollapseCriterion, load_run, mean_std_ci, run_outcome, split_methods
+from softtrust.study import (
+    EXIT_STOPPED,
+    PRESETS,
+    CollapseCriterion,
+    load_run,
+    mean_std_ci,
+    run_outcome,
+    split_methods,
+)
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)
@@ -398,9 +406,7 @@ def test_an_lr_flag_with_a_preset_that_has_an_lr_axis_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------- presets and paired statistics
-@pytest.mark.parametrize(
-    "name", ["full", "quick", "addition", "lr-stability", "lr-stability-long", "vespo-ablations"]
-)
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_builds_a_valid_grid(name, tmp_path):
     from softtrust.cli import build_parser
     from softtrust.study.cli import PRESETS, sweep_from_arguments
@@ -415,6 +421,36 @@ def test_every_preset_builds_a_valid_grid(name, tmp_path):
         expected.pop("lr", None)
         assert sweep.lrs == PRESETS[name]["lrs"] and "lr" not in sweep.overrides
     assert sweep.overrides.items() >= expected.items()
+    assert sweep.jobs == PRESETS[name].get("jobs", os.cpu_count() or 1)  # async: one cell at a time
+
+
+def test_presets_of_the_next_runs_route_corrections_and_the_async_axis(tmp_path):
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+
+    def sweep(name):
+        argv = ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
+        return sweep_from_arguments(*build_parser().parse_known_args(argv))
+
+    mismatch = sweep("mismatch")
+    configs = {cell.spec.label: mismatch.cell_config(cell) for cell in mismatch.cells()}
+    assert configs["vespo[correction=tis]"].correction == "tis"
+    assert configs["clip[correction=mis]"].correction == "mis" and configs["clip"].correction is None
+    assert {c.mismatch for c in configs.values()} == {"bf16"} and {c.staleness for c in configs.values()} == {
+        1
+    }
+    controls = sweep("controls")
+    clip28 = next(c for c in controls.cells() if c.spec.label == "clip[eps_high=0.28]")
+    assert controls.cell_config(clip28).method_params == {"eps_high": 0.28}
+    asynchronous = sweep("async")
+    assert asynchronous.axis == "K" and asynchronous.jobs == 1
+    assert {asynchronous.cell_config(c).max_lag for c in asynchronous.cells()} == {1, 16}
+    # the head-to-head shares the controls' clip and VESPO cells (the same configs)
+    head = sweep("head-to-head")
+    shared = {c.name: head.cell_config(c) for c in head.cells() if c.spec.label in ("clip", "vespo")}
+    assert shared == {
+        c.name: controls.cell_config(c) for c in controls.cells() if c.spec.label in ("clip", "vespo")
+    }
 
 
 def test_quick_preset_is_the_first_half_of_full_study_cells(tmp_path):
