@@ -23,6 +23,7 @@ DIAGNOSTICS = (
     "loss/clip/high",
     "loss/ratio/mean",
     "loss/seq_log_weight/mean",
+    "loss/is_weight/mean",  # the behaviour correction's weight (train/inference mismatch)
     "kl_behaviour",
 )
 
