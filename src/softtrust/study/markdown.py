@@ -113,10 +113,11 @@ def _lag_table(report: dict) -> list[str]:
         {lags[0], lags[len(lags) // 4], lags[len(lags) // 2], lags[(3 * len(lags)) // 4], lags[-1]}
     )
     lines = [
-        f"## Diagnostics against the lag within a rollout ({axis} = {high}; mean over steps and seeds)",
+        f"## Diagnostics against the lag ({axis} = {high}; mean over steps and seeds)",
         "",
-        "The lag: learner steps since the mini-batch's samples were drawn (`lag` in `metrics.jsonl`). "
-        "`lag.png` draws every lag and N.",
+        "The lag: learner steps since the mini-batch's samples were drawn (`lag` in `metrics.jsonl`; "
+        "sync: the mini-batch's position within its rollout; async: the lag observed). "
+        f"`lag.png` draws every lag and {axis}.",
         "",
         "| method | diagnostic | " + " | ".join(f"lag {lag}" for lag in shown) + " |",
         "| --- | --- | " + " | ".join("---" for _ in shown) + " |",

@@ -209,7 +209,7 @@ def plot_lag(report: dict, path: Path) -> None:
                     label=f"{method} {axis_name}={value}",
                 )
         axis.set_title(title)
-        axis.set_xlabel("lag within the rollout (steps)")
+        axis.set_xlabel("lag (learner steps since sampling)")
         axis.grid(alpha=0.3)
     if axes[0][-1].get_legend_handles_labels()[0]:
         axes[0][-1].legend(fontsize=6)
