@@ -165,7 +165,7 @@ def plot_paired(report: dict, path: Path) -> None:
         [e["comparison"] + (" (sign test)" if e["test"] == "sign" else "") for e in reversed(entries)],
         fontsize=7,
     )
-    axis.set_xlabel("paired difference in final accuracy (points); filled: holds after Holm")
+    axis.set_xlabel("paired difference, final accuracy (points); filled: holds (Holm)")
     axis.grid(alpha=0.3, axis="x")
     figure.tight_layout()
     figure.savefig(path, dpi=80)
