@@ -247,6 +247,23 @@ def test_bf16_rollout_mismatch_feeds_the_correction_weights(micro_model_dir, tmp
         assert abs(m["loss/is_weight/min"] - 1) < 1e-4 and abs(m["loss/is_weight/max"] - 1) < 1e-4
 
 
+def test_reject_with_tis_from_the_command_line_drops_the_tokens_past_its_bound(micro_model_dir, tmp_path):
+    # bf16 sampler vs fp32 learner: token |log rho| ~ 1e-3, so k3 = rho - 1 - log rho ~ 5e-7.
+    # A bound of 2e-7 rejects some tokens, not all; a bound of 1 rejects none. TIS still weighs
+    # the kept ones (its weights are logged next to the rejected fraction).
+    spec = "tis:cap=2+reject:divergence=k3,level=token,high={}"
+    config = micro_config(
+        micro_model_dir, tmp_path / "tight", mismatch="bf16", method="clip", correction=spec.format(2e-7)
+    )
+    config = config.replace(max_steps=2)
+    train(config)
+    dropped = [m["loss/reject/dropped"] for m in read_metrics(tmp_path / "tight")]
+    assert all(0 < fraction < 1 for fraction in dropped), dropped
+    assert all(m["loss/is_weight/max"] != 1.0 for m in read_metrics(tmp_path / "tight"))
+    train(config.replace(correction=spec.format(1), output_dir=str(tmp_path / "loose")))
+    assert [m["loss/reject/dropped"] for m in read_metrics(tmp_path / "loose")] == [0.0, 0.0]
+
+
 # ---------------------------------------------------------------------- 3. resume and killed saves
 def test_resume_mid_rollout_equals_straight_run(micro_model_dir, tmp_path):
     # N = 3 and k = 4: the checkpoint falls inside a rollout, so pending mini-batches must be saved.

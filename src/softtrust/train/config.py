@@ -24,7 +24,13 @@ from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
 MODES = ("sync", "async")
-CORRECTIONS = ("tis", "mis", "opsm")
+# --correction names -> softtrust classes, and the kind each is (at most one of each kind per run)
+CORRECTIONS = {
+    "tis": ("TIS", "is"),
+    "mis": ("MIS", "is"),
+    "opsm": ("OPSM", "opsm"),
+    "reject": ("Reject", "reject"),
+}
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
@@ -106,7 +112,10 @@ class TrainConfig:
     )
     aggregation: str = _field("token-mean", "Loss aggregation: " + " | ".join(AGGREGATIONS) + ".")
     correction: str | None = _field(
-        None, "Behaviour correction: tis | mis | opsm, with parameters, e.g. 'tis:cap=2,level=token'."
+        None,
+        "Behaviour correction: tis | mis | opsm | reject, with parameters, e.g. 'tis:cap=2,level=token' or "
+        "'reject:divergence=k3,level=sequence-mean,high=0.01'; join one IS correction (tis, mis) with opsm "
+        "and/or reject by '+', e.g. 'tis:cap=2+reject:divergence=ratio,low=0.999,high=1.001'; 'none' is no bound.",
     )
     kl_coef: float = _field(
         0.0, "KL penalty coefficient towards the initial (warm-start) policy; 0 disables it.", low=0
@@ -244,11 +253,6 @@ class TrainConfig:
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
-        need(
-            self.correction is None or self.correction.split(":")[0] in CORRECTIONS,
-            "correction",
-            f"choose one of {CORRECTIONS}",
-        )
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
@@ -308,30 +312,64 @@ def check_causal_lm_directory(path: str) -> None:
 
 
 def parse_key_values(text: str, name: str) -> dict:
-    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars."""
+    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars (and ``1e-6``,
+    which PyYAML reads as text, as the number)."""
     values = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{name}: expected key=value pairs separated by commas, got {text!r}")
-        values[key.strip()] = yaml.safe_load(value)
+        values[key.strip()] = _number_if_float(yaml.safe_load(value))
     return values
 
 
+def _number_if_float(value):
+    """A YAML string that Python reads as a float (``1e-6``, ``.5e3``) as that float; else ``value``."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
 def build_correction(spec: str | None):
-    """``'tis:cap=2,level=token'`` -> ``softtrust.TIS(cap=2, level='token')`` (or MIS, OPSM)."""
+    """The corrections a ``--correction`` spec names, for ``softtrust.PolicyLoss(correction=...)``.
+
+    ``'name:k=v,...'`` is one correction (``tis``, ``mis``, ``opsm``, ``reject`` ->
+    ``softtrust.TIS``, ``MIS``, ``OPSM``, ``Reject``); specs joined by ``+`` combine them,
+    at most one of each kind (one IS correction, one OPSM, one Reject), e.g.
+    ``'tis:cap=2+reject:divergence=k3,high=0.01'``. Values are YAML scalars; ``none`` (or
+    ``null``) is Python ``None`` (``reject:low=none,high=2``: no lower bound). Returns None,
+    one correction, or a list of them. Every error is a ``ValueError`` naming ``correction``.
+    """
     if spec is None:
         return None
     import softtrust as st
 
-    name, _, params = spec.partition(":")
-    classes = {"tis": "TIS", "mis": "MIS", "opsm": "OPSM"}
-    if name not in classes:
-        raise ValueError(f"correction: unknown correction {name!r}; choose one of {sorted(classes)}")
-    try:
-        return getattr(st, classes[name])(**parse_key_values(params, "correction"))
-    except TypeError as error:
-        raise ValueError(f"correction: {error}") from error
+    corrections, kinds = [], {}
+    for part in (piece.strip() for piece in spec.split("+")):
+        name, _, params = part.partition(":")
+        if name not in CORRECTIONS:
+            raise ValueError(
+                f"correction: unknown correction {name!r} in {spec!r}; choose one of {sorted(CORRECTIONS)} "
+                "(join several with '+')"
+            )
+        class_name, kind = CORRECTIONS[name]
+        if kind in kinds:
+            raise ValueError(
+                f"correction: {spec!r} holds two {'IS corrections' if kind == 'is' else name} "
+                f"({kinds[kind]!r} and {name!r}); give at most one IS correction (tis or mis), one opsm "
+                "and one reject"
+            )
+        kinds[kind] = name
+        values = parse_key_values(params, "correction")
+        values = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in values.items()}
+        try:
+            corrections.append(getattr(st, class_name)(**values))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"correction: {part!r}: {error}") from error
+    return corrections[0] if len(corrections) == 1 else corrections
 
 
 def build_method_loss(config: TrainConfig):
