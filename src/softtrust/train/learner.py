@@ -86,15 +86,22 @@ def policy_update(
     normalisers = {}
     if world.distributed:  # the whole mini-batch's counts, so the per-rank losses sum to its loss
         normalisers = {"num_tokens": world.sum(mask.sum()), "num_sequences": world.sum(mask.shape[0])}
+    old_logprobs, advantages = minibatch.old_logprobs.to(device), minibatch.advantages.to(device)
+    rollout_logprobs = None if minibatch.rollout_logprobs is None else minibatch.rollout_logprobs.to(device)
+    batch_state = None
+    if has_batch_state(loss_fn):  # M2PO, KL-Cov, Clip-Cov, BAPO: select over the whole mini-batch
+        generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
+        batch_state = global_batch_state(
+            loss_fn, logprobs.detach(), old_logprobs, advantages, mask, rollout_logprobs, world, generator
+        )
     out = loss_fn(
         logprobs,
-        minibatch.old_logprobs.to(device),
-        minibatch.advantages.to(device),
+        old_logprobs,
+        advantages,
         mask,
-        rollout_logprobs=None
-        if minibatch.rollout_logprobs is None
-        else minibatch.rollout_logprobs.to(device),
+        rollout_logprobs=rollout_logprobs,
         ref_logprobs=ref_logprobs,
+        state=batch_state,
         **normalisers,
     )
     optimizer.zero_grad(set_to_none=True)
@@ -120,6 +127,75 @@ def policy_update(
         metrics["skipped"] = 1
     metrics["lr"] = scheduler.get_last_lr()[0]
     return metrics
+
+
+def has_batch_state(loss_fn) -> bool:
+    """True when the loss's method selects over the batch (``Method.batch_state`` overridden);
+    False for a loss that is not a ``softtrust.PolicyLoss``."""
+    method = getattr(loss_fn, "method", None)
+    return isinstance(method, st.Method) and type(method).batch_state is not st.Method.batch_state
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step``'s random draws in the loss (Clip-Cov's pick): a function of
+    (run seed, step) only, so every rank, a resumed run and a rerun draw the same."""
+    return (seed * 0x9E3779B1 + step) % 2**63
+
+
+def global_batch_state(
+    loss_fn,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    world: World | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """``loss_fn.batch_state`` over the whole optimizer mini-batch: every rank's rows.
+
+    One process: this batch. Under ``torchrun``: every rank's ``[b, T_r]`` log-probs
+    (detached), behaviour and sampler log-probs, advantages and mask are gathered in rank
+    order (global row order), padded to the longest ``T`` with masked zeros, and every rank
+    computes the state from the same global batch, so it is identical on all ranks and
+    equal to one process's (up to the summation order of KL-Cov's/Clip-Cov's means). This
+    is exact for any method, whatever its statistic (M2PO's cut needs every token's
+    ``d²``; KL-Cov's and Clip-Cov's thresholds are order statistics of the global batch;
+    BAPO's sums could be all-reduced, but one gather serves all). The gather moves
+    ``4 b T`` numbers per rank, small next to the gradient all-reduce.
+
+    Args:
+        logprobs: ``[b, T]`` the current policy's log-probs, detached (π_prox for M2PO).
+        old_logprobs, rollout_logprobs: ``[b, T]`` (rollout: or None).
+        advantages: ``[b]``. mask: ``[b, T]`` 0/1.
+        generator: for methods that draw (Clip-Cov); the same seed on every rank.
+
+    Returns:
+        The state (0-dim tensors) on ``logprobs``' device, for ``loss_fn(..., state=)``.
+    """
+    world = world or World()
+    if not world.distributed:
+        return loss_fn.batch_state(
+            logprobs, old_logprobs, advantages, mask, rollout_logprobs, generator=generator
+        )
+    device = logprobs.device
+    local = (logprobs, old_logprobs, rollout_logprobs, mask.to(logprobs.dtype), advantages)
+    shares = world.gather_objects(tuple(None if x is None else x.detach().cpu() for x in local))
+    width = max(share[0].shape[1] for share in shares)
+
+    def stacked(position: int) -> torch.Tensor | None:
+        if shares[0][position] is None:
+            return None
+        pad = (
+            (lambda x: x)
+            if position == 4
+            else (lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1])))
+        )
+        return torch.cat([pad(share[position]) for share in shares]).to(device)
+
+    every = [stacked(position) for position in range(5)]
+    state = loss_fn.batch_state(every[0], every[1], every[4], every[3], every[2], generator=generator)
+    return {name: value.to(device) for name, value in state.items()}
 
 
 def behaviour_kl(
