@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from softtrust.cli import build_parser, main
-from softtrust.train.config import TrainConfig, build_method_loss, config_from_arguments
+from softtrust.train.config import TrainConfig, config_from_arguments
+from softtrust.train.loss_config import build_method_loss
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)
@@ -126,6 +127,9 @@ def not_a_causal_lm(tmp_path: Path) -> str:
         (["--correction", "reject:divergence=k9"], "correction"),
         (["--correction", "tis:cap=-1"], "correction"),  # was reported as a method_params error
         (["--mode", "eventually"], "mode"),
+        (["--proximal", "recompute"], "proximal"),  # sync mode: no worker policy to decouple from
+        (["--mode", "async", "--proximal", "loglinear", "--method", "m2po"], "proximal"),
+        (["--mode", "async", "--proximal", "exact"], "proximal"),
         (["--sft-target-accuracy", "1.5"], "sft_target_accuracy"),
         # every numeric option is finite and in range, checked before any file is written
         (["--lr", "inf"], "lr"),
@@ -161,7 +165,7 @@ def test_bad_configuration_fails_before_any_work_naming_the_field(argv, field, t
 
 def test_correction_specs_build_the_library_corrections():
     import softtrust as st
-    from softtrust.train.config import build_correction
+    from softtrust.train.loss_config import build_correction
 
     assert build_correction(None) is None
     assert build_correction("tis:cap=2,level=sequence") == st.TIS(cap=2, level="sequence")

@@ -24,13 +24,7 @@ from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
 MODES = ("sync", "async")
-# --correction names -> softtrust classes, and the kind each is (at most one of each kind per run)
-CORRECTIONS = {
-    "tis": ("TIS", "is"),
-    "mis": ("MIS", "is"),
-    "opsm": ("OPSM", "opsm"),
-    "reject": ("Reject", "reject"),
-}
+PROXIMAL = ("none", "recompute", "loglinear")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
@@ -133,6 +127,14 @@ class TrainConfig:
     )
     max_lag: int = _field(
         2, "Async: the most optimizer steps the worker's weights may lag the learner (K).", low=0
+    )
+    proximal: str = _field(
+        "none",
+        "Async: the decoupled objective (AReaL). none: old = the behaviour policy. recompute: old = "
+        "pi_prox, the policy before this update, from a no-grad forward, and an uncapped IS weight "
+        "pi_prox / behaviour (or the IS correction given in --correction). loglinear: the same, with "
+        "log pi_prox = log mu + alpha (log pi_theta - log mu), alpha from policy versions (= 1 here: "
+        "exact, no extra forward).",
     )
     lag_schedule: list = field(
         default_factory=list,
@@ -251,6 +253,20 @@ class TrainConfig:
             check_field_value(f, getattr(self, f.name))
         need(self.method in METHODS, "method", f"unknown method; choose one of {sorted(METHODS)}")
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
+        need(self.proximal in PROXIMAL, "proximal", f"choose one of {PROXIMAL}")
+        need(
+            self.proximal == "none" or self.mode == "async",
+            "proximal",
+            "the decoupled objective is for --mode async (there the behaviour policy is the rollout "
+            "worker's); in sync mode use --proximal none",
+        )
+        need(
+            self.proximal == "none" or self.method != "m2po",
+            "proximal",
+            "M2PO computes d = log pi_old - log pi_prox with old = the behaviour policy; the decoupled "
+            "objective sets old = pi_prox, so d = 0 and nothing would be masked. Use --proximal none with "
+            "m2po (its second-moment mask is its own off-policy treatment)",
+        )
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
@@ -276,6 +292,8 @@ class TrainConfig:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
+        from .loss_config import build_method_loss
+
         build_method_loss(self)  # unknown method parameters, levels or corrections fail here
         return self
 
@@ -331,70 +349,6 @@ def _number_if_float(value):
         except ValueError:
             pass
     return value
-
-
-def build_correction(spec: str | None):
-    """The corrections a ``--correction`` spec names, for ``softtrust.PolicyLoss(correction=...)``.
-
-    ``'name:k=v,...'`` is one correction (``tis``, ``mis``, ``opsm``, ``reject`` ->
-    ``softtrust.TIS``, ``MIS``, ``OPSM``, ``Reject``); specs joined by ``+`` combine them,
-    at most one of each kind (one IS correction, one OPSM, one Reject), e.g.
-    ``'tis:cap=2+reject:divergence=k3,high=0.01'``. Values are YAML scalars; ``none`` (or
-    ``null``) is Python ``None`` (``reject:low=none,high=2``: no lower bound). Returns None,
-    one correction, or a list of them. Every error is a ``ValueError`` naming ``correction``.
-    """
-    if spec is None:
-        return None
-    import softtrust as st
-
-    corrections, kinds = [], {}
-    for part in (piece.strip() for piece in spec.split("+")):
-        name, _, params = part.partition(":")
-        if name not in CORRECTIONS:
-            raise ValueError(
-                f"correction: unknown correction {name!r} in {spec!r}; choose one of {sorted(CORRECTIONS)} "
-                "(join several with '+')"
-            )
-        class_name, kind = CORRECTIONS[name]
-        if kind in kinds:
-            raise ValueError(
-                f"correction: {spec!r} holds two {'IS corrections' if kind == 'is' else name} "
-                f"({kinds[kind]!r} and {name!r}); give at most one IS correction (tis or mis), one opsm "
-                "and one reject"
-            )
-        kinds[kind] = name
-        values = parse_key_values(params, "correction")
-        values = {k: None if isinstance(v, str) and v.lower() == "none" else v for k, v in values.items()}
-        try:
-            corrections.append(getattr(st, class_name)(**values))
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"correction: {part!r}: {error}") from error
-    return corrections[0] if len(corrections) == 1 else corrections
-
-
-def build_method_loss(config: TrainConfig):
-    """The ``softtrust.PolicyLoss`` the config describes."""
-    import softtrust as st
-
-    kl = st.KL(coef=config.kl_coef, estimator=config.kl_estimator) if config.kl_coef > 0 else None
-    try:
-        return st.PolicyLoss(
-            config.method,
-            level=config.level,
-            correction=build_correction(config.correction),
-            aggregation=config.aggregation,
-            kl=kl,
-            # T_max of seq-mean-token-sum-norm: the configured maximum, so that ranks and
-            # mini-batches with different padded lengths share one normaliser
-            max_completion_length=config.max_new_tokens,
-            **config.method_params,
-        )
-    except (TypeError, ValueError) as error:
-        if str(error).split(":")[0] in {"method", "level", "correction", "aggregation", "kl"}:
-            raise
-        raise ValueError(
-            f"method_params: {config.method} rejects {config.method_params} ({error})"
-        ) from error
 
 
 # ---------------------------------------------------------------------- command line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ def policy_update(
     normalisers (tokens and rows summed over ranks) and is multiplied by the world size,
     because DDP and FSDP2 average gradients over ranks: the update equals one process's.
     """
+    started = time.perf_counter()
     world = world or World()
     batch = minibatch.batch
     device = next(policy.parameters()).device
@@ -88,6 +90,13 @@ def policy_update(
         normalisers = {"num_tokens": world.sum(mask.sum()), "num_sequences": world.sum(mask.shape[0])}
     old_logprobs, advantages = minibatch.old_logprobs.to(device), minibatch.advantages.to(device)
     rollout_logprobs = None if minibatch.rollout_logprobs is None else minibatch.rollout_logprobs.to(device)
+    proximal_metrics = {}
+    if config.proximal != "none":  # the decoupled objective: old = π_prox, sampler = the behaviour μ
+        behaviour = old_logprobs
+        old_logprobs, alpha = proximal_logprobs(
+            config.proximal, policy, batch, logprobs, behaviour, minibatch.lag, config.temperature
+        )
+        rollout_logprobs, proximal_metrics = behaviour, {"proximal/alpha": alpha}
     batch_state = None
     if has_batch_state(loss_fn):  # M2PO, KL-Cov, Clip-Cov, BAPO: select over the whole mini-batch
         generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
@@ -126,7 +135,76 @@ def policy_update(
         state.nonfinite_in_a_row += 1
         metrics["skipped"] = 1
     metrics["lr"] = scheduler.get_last_lr()[0]
-    return metrics
+    metrics["time/update"] = time.perf_counter() - started
+    return {**metrics, **proximal_metrics}
+
+
+def loglinear_alpha(behaviour_version: int, proximal_version: int, current_version: int) -> float:
+    """AReaL's interpolation weight ``α = (v_prox − v_μ) / (v_θ − v_μ)`` (arXiv 2505.24298's
+    decoupled objective, AReaL ``prox_logp_method="loglinear"``), so that
+    ``log π_prox ≈ log μ + α·(log π_θ − log μ)`` without a forward of π_prox.
+
+    ``v_θ`` is the version of the weights the learner's forward ran with, ``v_prox`` the
+    version before this optimizer step, ``v_μ`` the behaviour (sampler) version;
+    ``v_μ <= v_prox <= v_θ``. softtrust's trainer takes one optimizer step per batch and
+    runs its forward with the weights before the step, so ``v_θ = v_prox`` and
+    ``α = (v_prox − v_μ)/(v_prox − v_μ) = 1``: ``log π_prox = sg(log π_θ)``, exact. At
+    ``v_μ = v_θ`` (lag 0, ``0/0``) all three policies are one, so every α gives the same
+    value; α = 1 is returned (the limit of the lag > 0 case). AReaL instead labels the
+    training policy ``v_θ = v_prox + 1`` (``current_version − 1`` is its proximal
+    version), which gives ``α = lag/(lag + 1)`` and, when ``π_θ`` is in fact still ``π_prox``,
+    an error ``(log π_prox − log μ)/(lag + 1)`` per token.
+
+    Raises:
+        ValueError: versions not integers >= 0 in the order ``v_μ <= v_prox <= v_θ``.
+    """
+    versions = {"behaviour_version": behaviour_version, "proximal_version": proximal_version}
+    versions["current_version"] = current_version
+    for name, value in versions.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if not behaviour_version <= proximal_version <= current_version:
+        raise ValueError(
+            f"versions must satisfy behaviour <= proximal <= current, got {behaviour_version}, "
+            f"{proximal_version}, {current_version}"
+        )
+    if current_version == behaviour_version:
+        return 1.0
+    return (proximal_version - behaviour_version) / (current_version - behaviour_version)
+
+
+def proximal_logprobs(
+    mode: str,
+    policy,
+    batch,
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    lag: int,
+    temperature: float,
+) -> tuple[torch.Tensor, float]:
+    """``([b, T] log π_prox, α)`` for the decoupled objective (AReaL, arXiv 2505.24298).
+
+    ``recompute``: a no-grad forward of the current policy (the weights before this update),
+    α reported as 1. ``loglinear``: ``μ + α·(sg(log π_θ) − μ)`` with α from
+    :func:`loglinear_alpha` (v_μ = step − lag, v_prox = v_θ = step), no forward; with one
+    optimizer step per batch α = 1 and the value equals ``recompute``'s (same forward, same
+    numbers). ``logprobs``: the learner's ``[b, T]`` forward (differentiable); ``behaviour``:
+    μ, ``[b, T]``.
+    """
+    if mode == "recompute":
+        device = logprobs.device
+        with torch.no_grad():
+            prox = policy_logprobs(
+                policy,
+                batch.input_ids.to(device),
+                batch.attention_mask.to(device),
+                batch.completion_length,
+                temperature,
+            )
+        return prox, 1.0
+    step = batch.policy_version + lag
+    alpha = loglinear_alpha(batch.policy_version, step, step)
+    return behaviour + alpha * (logprobs.detach() - behaviour), alpha
 
 
 def has_batch_state(loss_fn) -> bool:
