@@ -69,6 +69,10 @@ def policy_update(
     Under ``torchrun`` the mini-batch is this rank's share; the loss uses the global
     normalisers (tokens and rows summed over ranks) and is multiplied by the world size,
     because DDP and FSDP2 average gradients over ranks: the update equals one process's.
+    A method that selects over the batch gets ``state=`` from the whole mini-batch, every
+    rank's rows (``global_batch_state``). With ``config.proximal`` (async mode) the loss gets
+    the decoupled objective: ``old_logprobs`` = π_prox (``proximal_logprobs``) and
+    ``rollout_logprobs`` = the behaviour log-probs μ (the loss's IS correction weighs π_prox/μ).
     """
     started = time.perf_counter()
     world = world or World()
