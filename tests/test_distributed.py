@@ -343,3 +343,22 @@ def test_batch_wide_selection_under_torchrun_equals_one_process(
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [m[name] for m in two] == pytest.approx([m[name] for m in one], abs=1e-6)  # float32 means
     assert any(0 < m[name] < 1 for m in one[1::2])  # the selection is not trivial where it counts
+
+
+def test_decoupled_objective_on_two_processes_matches_one(micro_model_dir, initial_weights, tmp_path):
+    """--proximal recompute under DDP: the extra no-grad forward of pi_prox runs on each rank's
+    share (outside DDP's gradient bookkeeping) and the update equals one process's."""
+    values = dict(
+        mode="async", max_lag=2, lag_schedule="0,2,1", max_steps=5, method="clip", proximal="recompute"
+    )
+    train(
+        TrainConfig(**run_config(micro_model_dir, tmp_path / "one", **{**values, "lag_schedule": [0, 2, 1]}))
+    )
+    torchrun(run_config(micro_model_dir, tmp_path / "two", **values))
+
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights)
+    weights = [m["loss/is_weight/max"] for m in read_metrics(tmp_path / "two")]
+    assert weights == pytest.approx(
+        [m["loss/is_weight/max"] for m in read_metrics(tmp_path / "one")], abs=1e-6
+    )
+    assert max(weights) > 1.01  # pi_prox / mu is not 1 at lag > 0: the decoupled weight is in use
