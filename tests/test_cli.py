@@ -10,6 +10,7 @@ import torch
 
 from softtrust.cli import build_parser, main
 from softtrust.train.config import TrainConfig, config_from_arguments
+from softtrust.train.loss_config import build_method_loss
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)
@@ -120,7 +121,15 @@ def not_a_causal_lm(tmp_path: Path) -> str:
         (["--model", "EMPTY_DIRECTORY"], "model"),
         (["--method-params", "k_pos=2,nonsense=1"], "method_params"),
         (["--correction", "ipw"], "correction"),
+        (["--correction", "tis:cap=2+mis"], "correction"),  # two IS corrections
+        (["--correction", "reject:high=-1"], "correction"),  # a k3 bound is >= 0
+        (["--correction", "reject:low=none,high=none"], "correction"),  # keeps everything
+        (["--correction", "reject:divergence=k9"], "correction"),
+        (["--correction", "tis:cap=-1"], "correction"),  # was reported as a method_params error
         (["--mode", "eventually"], "mode"),
+        (["--proximal", "recompute"], "proximal"),  # sync mode: no worker policy to decouple from
+        (["--mode", "async", "--proximal", "loglinear", "--method", "m2po"], "proximal"),
+        (["--mode", "async", "--proximal", "exact"], "proximal"),
         (["--sft-target-accuracy", "1.5"], "sft_target_accuracy"),
         # every numeric option is finite and in range, checked before any file is written
         (["--lr", "inf"], "lr"),
@@ -152,6 +161,31 @@ def test_bad_configuration_fails_before_any_work_naming_the_field(argv, field, t
     message = capsys.readouterr().err
     assert f"error: {field}:" in message, message
     assert not output_dir.exists() and not (tmp_path / "cache").exists()  # nothing was started
+
+
+def test_correction_specs_build_the_library_corrections():
+    import softtrust as st
+    from softtrust.train.loss_config import build_correction
+
+    assert build_correction(None) is None
+    assert build_correction("tis:cap=2,level=sequence") == st.TIS(cap=2, level="sequence")
+    # every Reject parameter; 'none' is no bound
+    assert build_correction("reject:divergence=ratio,level=sequence-max,low=0.5,high=none,veto=0.01") == (
+        st.Reject(divergence="ratio", level="sequence-max", low=0.5, high=None, veto=0.01)
+    )
+    assert build_correction("reject") == st.Reject()  # verl's K3-RS default
+    # '+' combines one IS correction with OPSM and Reject (any order, spaces allowed)
+    assert build_correction("reject:high=0.02 + tis:cap=3+opsm:delta=0.4") == [
+        st.Reject(high=0.02),
+        st.TIS(cap=3),
+        st.OPSM(delta=0.4),
+    ]
+    loss = build_method_loss(TrainConfig(method="clip", correction="tis:cap=3+reject:high=0.02"))
+    assert loss.is_correction == st.TIS(cap=3) and loss.reject == st.Reject(high=0.02)
+    with pytest.raises(ValueError, match="correction: 'reject:high=0.1\\+reject' holds two reject"):
+        build_correction("reject:high=0.1+reject")
+    with pytest.raises(ValueError, match="correction: 'reject:veto=1.5': veto must be"):
+        build_correction("reject:veto=1.5")
 
 
 def test_unknown_yaml_field_is_rejected_by_name(tmp_path, capsys):

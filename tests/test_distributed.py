@@ -269,3 +269,96 @@ def test_async_lagged_rollouts_on_two_processes_match_one(micro_model_dir, initi
 
     assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights)
     assert [m["lag"] for m in read_metrics(tmp_path / "two")] == [0, 1, 1, 0, 2]
+
+
+# ---------------------------------------------------------------------- batch-wide selections over ranks
+class _TwoRanks(World):
+    """Rank 0 of two, with rank 1's share handed in: ``gather_objects`` returns both."""
+
+    def __init__(self, other):
+        super().__init__(rank=0, size=2)
+        self.other = other
+
+    def gather_objects(self, obj) -> list:
+        return [obj, self.other]
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("m2po", {"tau": 0.05}),
+        ("kl-cov", {"ratio": 0.1}),
+        ("clip-cov", {"ratio": 0.2, "cov_low": -1.0}),
+        ("bapo", {}),
+    ],
+)
+def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
+    """Two ranks' shares with different padded lengths give the whole batch's state."""
+    import softtrust as st
+    from softtrust.train.learner import global_batch_state
+
+    generator = torch.Generator().manual_seed(3)
+    logprobs = -torch.rand(8, 5, generator=generator, dtype=torch.float64) * 2
+    old = logprobs + 0.4 * torch.randn(8, 5, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(8, generator=generator, dtype=torch.float64)
+    lengths = torch.tensor([5, 3, 4, 2, 3, 1, 2, 3])  # rank 1's rows (4..7) are at most 3 long
+    mask = (torch.arange(5) < lengths[:, None]).double()
+    loss_fn = st.PolicyLoss(method, **params)
+    whole = loss_fn.batch_state(logprobs, old, advantages, mask, generator=torch.Generator().manual_seed(7))
+    rank1 = (logprobs[4:, :3], old[4:, :3], None, mask[4:, :3], advantages[4:])
+    state = global_batch_state(
+        loss_fn,
+        logprobs[:4],
+        old[:4],
+        advantages[:4],
+        mask[:4],
+        None,
+        _TwoRanks(rank1),
+        torch.Generator().manual_seed(7),
+    )
+    assert state.keys() == whole.keys()
+    for name in whole:
+        torch.testing.assert_close(state[name], whole[name], rtol=1e-12, atol=0, msg=name)
+    # the rank's own share alone selects differently: the check can fail
+    alone = loss_fn.batch_state(
+        logprobs[:4], old[:4], advantages[:4], mask[:4], generator=torch.Generator().manual_seed(7)
+    )
+    assert any(not torch.equal(alone[name], whole[name]) for name in whole)
+
+
+@pytest.mark.parametrize(("method", "params"), [("m2po", {"tau": 1e-5}), ("kl-cov", {"ratio": 0.1})])
+def test_batch_wide_selection_under_torchrun_equals_one_process(
+    micro_model_dir, initial_weights, tmp_path, method, params
+):
+    """M2PO's cut and KL-Cov's top-k over both ranks' tokens: two processes train as one.
+    (At N = 2 the second mini-batch of each rollout is off-policy; tau = 1e-5 masks about
+    two thirds of its tokens, ratio = 0.1 penalises a tenth: a per-rank selection differs.)"""
+    values = dict(method=method, max_steps=4)
+    train(TrainConfig(**run_config(micro_model_dir, tmp_path / "one", method_params=params, **values)))
+    flag = ",".join(f"{key}={value}" for key, value in params.items())
+    torchrun(run_config(micro_model_dir, tmp_path / "two", method_params=flag, **values))
+
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights)
+    name = {"m2po": "loss/m2po/masked", "kl-cov": "loss/cov/selected"}[method]
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [m[name] for m in two] == pytest.approx([m[name] for m in one], abs=1e-6)  # float32 means
+    assert any(0 < m[name] < 1 for m in one[1::2])  # the selection is not trivial where it counts
+
+
+def test_decoupled_objective_on_two_processes_matches_one(micro_model_dir, initial_weights, tmp_path):
+    """--proximal recompute under DDP: the extra no-grad forward of pi_prox runs on each rank's
+    share (outside DDP's gradient bookkeeping) and the update equals one process's."""
+    values = dict(
+        mode="async", max_lag=2, lag_schedule="0,2,1", max_steps=5, method="clip", proximal="recompute"
+    )
+    train(
+        TrainConfig(**run_config(micro_model_dir, tmp_path / "one", **{**values, "lag_schedule": [0, 2, 1]}))
+    )
+    torchrun(run_config(micro_model_dir, tmp_path / "two", **values))
+
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights)
+    weights = [m["loss/is_weight/max"] for m in read_metrics(tmp_path / "two")]
+    assert weights == pytest.approx(
+        [m["loss/is_weight/max"] for m in read_metrics(tmp_path / "one")], abs=1e-6
+    )
+    assert max(weights) > 1.01  # pi_prox / mu is not 1 at lag > 0: the decoupled weight is in use

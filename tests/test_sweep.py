@@ -339,6 +339,18 @@ def test_async_mode_makes_the_lag_bound_the_grid_axis(sweep_env, tmp_path):
     assert configs[1].output_dir.endswith(str(Path("runs", "clip", "K4", "seed0")))
 
 
+def test_a_correction_flag_reaches_every_cell(sweep_env, tmp_path):
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+
+    spec = "tis:cap=2+reject:divergence=ratio,level=sequence-mean,low=0.999,high=none"
+    argv = sweep_argv(sweep_env, tmp_path, "clip,dppo", "1,2", "--correction", spec)
+    sweep = sweep_from_arguments(*build_parser().parse_known_args(argv))
+    sweep.validate()
+    configs = [sweep.cell_config(cell) for cell in sweep.cells()]
+    assert len(configs) == 4 and {c.correction for c in configs} == {spec}
+
+
 # ---------------------------------------------------------------------- the learning-rate view
 def without_lr(argv: list[str]) -> list[str]:
     index = argv.index("--lr")

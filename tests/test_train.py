@@ -247,6 +247,104 @@ def test_bf16_rollout_mismatch_feeds_the_correction_weights(micro_model_dir, tmp
         assert abs(m["loss/is_weight/min"] - 1) < 1e-4 and abs(m["loss/is_weight/max"] - 1) < 1e-4
 
 
+def test_reject_with_tis_from_the_command_line_drops_the_tokens_past_its_bound(micro_model_dir, tmp_path):
+    # bf16 sampler vs fp32 learner: token |log rho| ~ 1e-3, so k3 = rho - 1 - log rho ~ 5e-7.
+    # A bound of 2e-7 rejects some tokens, not all; a bound of 1 rejects none. TIS still weighs
+    # the kept ones (its weights are logged next to the rejected fraction).
+    spec = "tis:cap=2+reject:divergence=k3,level=token,high={}"
+    config = micro_config(
+        micro_model_dir, tmp_path / "tight", mismatch="bf16", method="clip", correction=spec.format(2e-7)
+    )
+    config = config.replace(max_steps=2)
+    train(config)
+    dropped = [m["loss/reject/dropped"] for m in read_metrics(tmp_path / "tight")]
+    assert all(0 < fraction < 1 for fraction in dropped), dropped
+    assert all(m["loss/is_weight/max"] != 1.0 for m in read_metrics(tmp_path / "tight"))
+    train(config.replace(correction=spec.format(1), output_dir=str(tmp_path / "loose")))
+    assert [m["loss/reject/dropped"] for m in read_metrics(tmp_path / "loose")] == [0.0, 0.0]
+
+
+# ---------------------------------------------------------------------- the decoupled objective (--proximal)
+def test_loglinear_alpha_at_known_versions():
+    from softtrust.train.learner import loglinear_alpha
+
+    # AReaL's own example: behaviour 3, proximal 7, current 8 -> 4/5
+    assert loglinear_alpha(3, 7, 8) == pytest.approx(0.8)
+    assert loglinear_alpha(0, 2, 4) == pytest.approx(0.5)
+    assert loglinear_alpha(7, 7, 8) == 0.0  # behaviour = proximal: pi_prox = mu
+    # softtrust's trainer: the forward runs with the weights before the update, v_theta = v_prox
+    assert loglinear_alpha(3, 7, 7) == 1.0
+    assert loglinear_alpha(5, 5, 5) == 1.0  # lag 0: 0/0, all three policies are one
+    with pytest.raises(ValueError, match="behaviour <= proximal <= current"):
+        loglinear_alpha(8, 7, 7)
+    with pytest.raises(ValueError, match="current_version must be an integer >= 0"):
+        loglinear_alpha(0, 1, 1.5)
+
+
+def recording_loss(monkeypatch, calls: list):
+    """Make the trainer's loss record what it is called with (and its loss)."""
+    real_build = trainer_module.build_method_loss
+
+    def build(config):
+        loss_fn = real_build(config)
+
+        def recorded(logprobs, old, advantages, mask, **kwargs):
+            out = loss_fn(logprobs, old, advantages, mask, **kwargs)
+            calls.append(
+                (logprobs.detach(), old, advantages, mask, kwargs["rollout_logprobs"], out.loss.detach())
+            )
+            return out
+
+        return recorded
+
+    monkeypatch.setattr(trainer_module, "build_method_loss", build)
+
+
+def test_decoupled_objective_is_the_behaviour_weighted_policy_gradient(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    """--proximal recompute: old = pi_prox (a no-grad forward of the weights before the update,
+    so r = 1 exactly), sampler = mu, weight pi_prox/mu uncapped. For Clip at r = 1 the token-mean
+    loss is then -sum m exp(logp - mu) A / sum m, in closed form; at lag 0 it is the plain loss
+    (the same weights as --proximal none), and loglinear (alpha = 1 here) is recompute without
+    the forward: the same weights, bit for bit."""
+    lags = dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip", max_steps=5)
+    calls = []
+    recording_loss(monkeypatch, calls)
+    train(micro_config(micro_model_dir, tmp_path / "recompute", proximal="recompute", **lags))
+    behaviour_lags = [m["lag"] for m in read_metrics(tmp_path / "recompute")]
+    assert behaviour_lags == [0, 1, 1, 0, 2]
+    moved = 0
+    for (logprobs, old, advantages, mask, mu, loss), lag in zip(calls, behaviour_lags, strict=True):
+        assert torch.equal(old * mask, logprobs * mask)  # pi_prox: the current weights' log-probs
+        weight = torch.exp(logprobs - mu) * mask  # pi_prox / mu
+        expected = -(weight * advantages[:, None]).sum() / mask.sum()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+        moved += lag > 0 and float((weight - mask).abs().max()) > 1e-3
+    assert moved >= 2  # the behaviour weight is not 1 where the rows are stale
+    recompute = model_parameters_from_dir(str(tmp_path / "recompute" / "final"))
+    train(micro_config(micro_model_dir, tmp_path / "loglinear", proximal="loglinear", **lags))
+    loglinear = model_parameters_from_dir(str(tmp_path / "loglinear" / "final"))
+    for name, tensor in recompute.items():
+        torch.testing.assert_close(loglinear[name], tensor, rtol=0, atol=0, msg=name)
+    assert [m["proximal/alpha"] for m in read_metrics(tmp_path / "loglinear")] == [1.0] * 5
+
+    at_lag_0 = {**lags, "lag_schedule": [0]}
+    train(micro_config(micro_model_dir, tmp_path / "plain0", proximal="none", **at_lag_0))
+    train(micro_config(micro_model_dir, tmp_path / "recompute0", proximal="recompute", **at_lag_0))
+    # lag 0: mu is the same weights' log-probs (up to kernel rounding, ~5e-7), so r (plain) and
+    # pi_prox/mu (decoupled) are the same numbers: equal losses and gradients, step by step
+    for mine, theirs in zip(
+        read_metrics(tmp_path / "recompute0"), read_metrics(tmp_path / "plain0"), strict=True
+    ):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    plain = model_parameters_from_dir(str(tmp_path / "plain0" / "final"))
+    decoupled = model_parameters_from_dir(str(tmp_path / "recompute0" / "final"))
+    for name, tensor in plain.items():  # Adam turns gradient rounding into slightly larger steps
+        torch.testing.assert_close(decoupled[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
 # ---------------------------------------------------------------------- 3. resume and killed saves
 def test_resume_mid_rollout_equals_straight_run(micro_model_dir, tmp_path):
     # N = 3 and k = 4: the checkpoint falls inside a rollout, so pending mini-batches must be saved.

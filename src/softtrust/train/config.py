@@ -24,7 +24,7 @@ from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
 MODES = ("sync", "async")
-CORRECTIONS = ("tis", "mis", "opsm")
+PROXIMAL = ("none", "recompute", "loglinear")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
@@ -106,7 +106,10 @@ class TrainConfig:
     )
     aggregation: str = _field("token-mean", "Loss aggregation: " + " | ".join(AGGREGATIONS) + ".")
     correction: str | None = _field(
-        None, "Behaviour correction: tis | mis | opsm, with parameters, e.g. 'tis:cap=2,level=token'."
+        None,
+        "Behaviour correction: tis | mis | opsm | reject, with parameters, e.g. 'tis:cap=2,level=token' or "
+        "'reject:divergence=k3,level=sequence-mean,high=0.01'; join one IS correction (tis, mis) with opsm "
+        "and/or reject by '+', e.g. 'tis:cap=2+reject:divergence=ratio,low=0.999,high=1.001'; 'none' is no bound.",
     )
     kl_coef: float = _field(
         0.0, "KL penalty coefficient towards the initial (warm-start) policy; 0 disables it.", low=0
@@ -124,6 +127,14 @@ class TrainConfig:
     )
     max_lag: int = _field(
         2, "Async: the most optimizer steps the worker's weights may lag the learner (K).", low=0
+    )
+    proximal: str = _field(
+        "none",
+        "Async: the decoupled objective (AReaL). none: old = the behaviour policy. recompute: old = "
+        "pi_prox, the policy before this update, from a no-grad forward, and an uncapped IS weight "
+        "pi_prox / behaviour (or the IS correction given in --correction). loglinear: the same, with "
+        "log pi_prox = log mu + alpha (log pi_theta - log mu), alpha from policy versions (= 1 here: "
+        "exact, no extra forward).",
     )
     lag_schedule: list = field(
         default_factory=list,
@@ -242,13 +253,22 @@ class TrainConfig:
             check_field_value(f, getattr(self, f.name))
         need(self.method in METHODS, "method", f"unknown method; choose one of {sorted(METHODS)}")
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
+        need(self.proximal in PROXIMAL, "proximal", f"choose one of {PROXIMAL}")
+        need(
+            self.proximal == "none" or self.mode == "async",
+            "proximal",
+            "the decoupled objective is for --mode async (there the behaviour policy is the rollout "
+            "worker's); in sync mode use --proximal none",
+        )
+        need(
+            self.proximal == "none" or self.method != "m2po",
+            "proximal",
+            "M2PO computes d = log pi_old - log pi_prox with old = the behaviour policy; the decoupled "
+            "objective sets old = pi_prox, so d = 0 and nothing would be masked. Use --proximal none with "
+            "m2po (its second-moment mask is its own off-policy treatment)",
+        )
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
-        need(
-            self.correction is None or self.correction.split(":")[0] in CORRECTIONS,
-            "correction",
-            f"choose one of {CORRECTIONS}",
-        )
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
@@ -272,6 +292,8 @@ class TrainConfig:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
+        from .loss_config import build_method_loss
+
         build_method_loss(self)  # unknown method parameters, levels or corrections fail here
         return self
 
@@ -308,55 +330,25 @@ def check_causal_lm_directory(path: str) -> None:
 
 
 def parse_key_values(text: str, name: str) -> dict:
-    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars."""
+    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars (and ``1e-6``,
+    which PyYAML reads as text, as the number)."""
     values = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{name}: expected key=value pairs separated by commas, got {text!r}")
-        values[key.strip()] = yaml.safe_load(value)
+        values[key.strip()] = _number_if_float(yaml.safe_load(value))
     return values
 
 
-def build_correction(spec: str | None):
-    """``'tis:cap=2,level=token'`` -> ``softtrust.TIS(cap=2, level='token')`` (or MIS, OPSM)."""
-    if spec is None:
-        return None
-    import softtrust as st
-
-    name, _, params = spec.partition(":")
-    classes = {"tis": "TIS", "mis": "MIS", "opsm": "OPSM"}
-    if name not in classes:
-        raise ValueError(f"correction: unknown correction {name!r}; choose one of {sorted(classes)}")
-    try:
-        return getattr(st, classes[name])(**parse_key_values(params, "correction"))
-    except TypeError as error:
-        raise ValueError(f"correction: {error}") from error
-
-
-def build_method_loss(config: TrainConfig):
-    """The ``softtrust.PolicyLoss`` the config describes."""
-    import softtrust as st
-
-    kl = st.KL(coef=config.kl_coef, estimator=config.kl_estimator) if config.kl_coef > 0 else None
-    try:
-        return st.PolicyLoss(
-            config.method,
-            level=config.level,
-            correction=build_correction(config.correction),
-            aggregation=config.aggregation,
-            kl=kl,
-            # T_max of seq-mean-token-sum-norm: the configured maximum, so that ranks and
-            # mini-batches with different padded lengths share one normaliser
-            max_completion_length=config.max_new_tokens,
-            **config.method_params,
-        )
-    except (TypeError, ValueError) as error:
-        if str(error).split(":")[0] in {"method", "level", "correction", "aggregation", "kl"}:
-            raise
-        raise ValueError(
-            f"method_params: {config.method} rejects {config.method_params} ({error})"
-        ) from error
+def _number_if_float(value):
+    """A YAML string that Python reads as a float (``1e-6``, ``.5e3``) as that float; else ``value``."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 # ---------------------------------------------------------------------- command line

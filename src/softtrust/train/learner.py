@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,12 @@ def policy_update(
     Under ``torchrun`` the mini-batch is this rank's share; the loss uses the global
     normalisers (tokens and rows summed over ranks) and is multiplied by the world size,
     because DDP and FSDP2 average gradients over ranks: the update equals one process's.
+    A method that selects over the batch gets ``state=`` from the whole mini-batch, every
+    rank's rows (``global_batch_state``). With ``config.proximal`` (async mode) the loss gets
+    the decoupled objective: ``old_logprobs`` = π_prox (``proximal_logprobs``) and
+    ``rollout_logprobs`` = the behaviour log-probs μ (the loss's IS correction weighs π_prox/μ).
     """
+    started = time.perf_counter()
     world = world or World()
     batch = minibatch.batch
     device = next(policy.parameters()).device
@@ -86,15 +92,29 @@ def policy_update(
     normalisers = {}
     if world.distributed:  # the whole mini-batch's counts, so the per-rank losses sum to its loss
         normalisers = {"num_tokens": world.sum(mask.sum()), "num_sequences": world.sum(mask.shape[0])}
+    old_logprobs, advantages = minibatch.old_logprobs.to(device), minibatch.advantages.to(device)
+    rollout_logprobs = None if minibatch.rollout_logprobs is None else minibatch.rollout_logprobs.to(device)
+    proximal_metrics = {}
+    if config.proximal != "none":  # the decoupled objective: old = π_prox, sampler = the behaviour μ
+        behaviour = old_logprobs
+        old_logprobs, alpha = proximal_logprobs(
+            config.proximal, policy, batch, logprobs, behaviour, minibatch.lag, config.temperature
+        )
+        rollout_logprobs, proximal_metrics = behaviour, {"proximal/alpha": alpha}
+    batch_state = None
+    if has_batch_state(loss_fn):  # M2PO, KL-Cov, Clip-Cov, BAPO: select over the whole mini-batch
+        generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
+        batch_state = global_batch_state(
+            loss_fn, logprobs.detach(), old_logprobs, advantages, mask, rollout_logprobs, world, generator
+        )
     out = loss_fn(
         logprobs,
-        minibatch.old_logprobs.to(device),
-        minibatch.advantages.to(device),
+        old_logprobs,
+        advantages,
         mask,
-        rollout_logprobs=None
-        if minibatch.rollout_logprobs is None
-        else minibatch.rollout_logprobs.to(device),
+        rollout_logprobs=rollout_logprobs,
         ref_logprobs=ref_logprobs,
+        state=batch_state,
         **normalisers,
     )
     optimizer.zero_grad(set_to_none=True)
@@ -119,7 +139,145 @@ def policy_update(
         state.nonfinite_in_a_row += 1
         metrics["skipped"] = 1
     metrics["lr"] = scheduler.get_last_lr()[0]
-    return metrics
+    metrics["time/update"] = time.perf_counter() - started
+    return {**metrics, **proximal_metrics}
+
+
+def loglinear_alpha(behaviour_version: int, proximal_version: int, current_version: int) -> float:
+    """AReaL's interpolation weight ``α = (v_prox − v_μ) / (v_θ − v_μ)`` (arXiv 2505.24298's
+    decoupled objective, AReaL ``prox_logp_method="loglinear"``), so that
+    ``log π_prox ≈ log μ + α·(log π_θ − log μ)`` without a forward of π_prox.
+
+    ``v_θ`` is the version of the weights the learner's forward ran with, ``v_prox`` the
+    version before this optimizer step, ``v_μ`` the behaviour (sampler) version;
+    ``v_μ <= v_prox <= v_θ``. softtrust's trainer takes one optimizer step per batch and
+    runs its forward with the weights before the step, so ``v_θ = v_prox`` and
+    ``α = (v_prox − v_μ)/(v_prox − v_μ) = 1``: ``log π_prox = sg(log π_θ)``, exact. At
+    ``v_μ = v_θ`` (lag 0, ``0/0``) all three policies are one, so every α gives the same
+    value; α = 1 is returned (the limit of the lag > 0 case). AReaL instead labels the
+    training policy ``v_θ = v_prox + 1`` (``current_version − 1`` is its proximal
+    version), which gives ``α = lag/(lag + 1)`` and, when ``π_θ`` is in fact still ``π_prox``,
+    an error ``(log π_prox − log μ)/(lag + 1)`` per token.
+
+    Raises:
+        ValueError: versions not integers >= 0 in the order ``v_μ <= v_prox <= v_θ``.
+    """
+    versions = {"behaviour_version": behaviour_version, "proximal_version": proximal_version}
+    versions["current_version"] = current_version
+    for name, value in versions.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if not behaviour_version <= proximal_version <= current_version:
+        raise ValueError(
+            f"versions must satisfy behaviour <= proximal <= current, got {behaviour_version}, "
+            f"{proximal_version}, {current_version}"
+        )
+    if current_version == behaviour_version:
+        return 1.0
+    return (proximal_version - behaviour_version) / (current_version - behaviour_version)
+
+
+def proximal_logprobs(
+    mode: str,
+    policy,
+    batch,
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    lag: int,
+    temperature: float,
+) -> tuple[torch.Tensor, float]:
+    """``([b, T] log π_prox, α)`` for the decoupled objective (AReaL, arXiv 2505.24298).
+
+    ``recompute``: a no-grad forward of the current policy (the weights before this update),
+    α reported as 1. ``loglinear``: ``μ + α·(sg(log π_θ) − μ)`` with α from
+    :func:`loglinear_alpha` (v_μ = step − lag, v_prox = v_θ = step), no forward; with one
+    optimizer step per batch α = 1 and the value equals ``recompute``'s (same forward, same
+    numbers). ``logprobs``: the learner's ``[b, T]`` forward (differentiable); ``behaviour``:
+    μ, ``[b, T]``.
+    """
+    if mode == "recompute":
+        device = logprobs.device
+        with torch.no_grad():
+            prox = policy_logprobs(
+                policy,
+                batch.input_ids.to(device),
+                batch.attention_mask.to(device),
+                batch.completion_length,
+                temperature,
+            )
+        return prox, 1.0
+    step = batch.policy_version + lag
+    alpha = loglinear_alpha(batch.policy_version, step, step)
+    return behaviour + alpha * (logprobs.detach() - behaviour), alpha
+
+
+def has_batch_state(loss_fn) -> bool:
+    """True when the loss's method selects over the batch (``Method.batch_state`` overridden);
+    False for a loss that is not a ``softtrust.PolicyLoss``."""
+    method = getattr(loss_fn, "method", None)
+    return isinstance(method, st.Method) and type(method).batch_state is not st.Method.batch_state
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step ``step``'s random draws in the loss (Clip-Cov's pick): a function of
+    (run seed, step) only, so every rank, a resumed run and a rerun draw the same."""
+    return (seed * 0x9E3779B1 + step) % 2**63
+
+
+def global_batch_state(
+    loss_fn,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    world: World | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """``loss_fn.batch_state`` over the whole optimizer mini-batch: every rank's rows.
+
+    One process: this batch. Under ``torchrun``: every rank's ``[b, T_r]`` log-probs
+    (detached), behaviour and sampler log-probs, advantages and mask are gathered in rank
+    order (global row order), padded to the longest ``T`` with masked zeros, and every rank
+    computes the state from the same global batch, so it is identical on all ranks and
+    equal to one process's (up to the summation order of KL-Cov's/Clip-Cov's means). This
+    is exact for any method, whatever its statistic (M2PO's cut needs every token's
+    ``d²``; KL-Cov's and Clip-Cov's thresholds are order statistics of the global batch;
+    BAPO's sums could be all-reduced, but one gather serves all). The gather moves
+    ``4 b T`` numbers per rank, small next to the gradient all-reduce.
+
+    Args:
+        logprobs: ``[b, T]`` the current policy's log-probs, detached (π_prox for M2PO).
+        old_logprobs, rollout_logprobs: ``[b, T]`` (rollout: or None).
+        advantages: ``[b]``. mask: ``[b, T]`` 0/1.
+        generator: for methods that draw (Clip-Cov); the same seed on every rank.
+
+    Returns:
+        The state (0-dim tensors) on ``logprobs``' device, for ``loss_fn(..., state=)``.
+    """
+    world = world or World()
+    if not world.distributed:
+        return loss_fn.batch_state(
+            logprobs, old_logprobs, advantages, mask, rollout_logprobs, generator=generator
+        )
+    device = logprobs.device
+    local = (logprobs, old_logprobs, rollout_logprobs, mask.to(logprobs.dtype), advantages)
+    shares = world.gather_objects(tuple(None if x is None else x.detach().cpu() for x in local))
+    width = max(share[0].shape[1] for share in shares)
+
+    def stacked(position: int) -> torch.Tensor | None:
+        if shares[0][position] is None:
+            return None
+        pad = (
+            (lambda x: x)
+            if position == 4
+            else (lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1])))
+        )
+        return torch.cat([pad(share[position]) for share in shares]).to(device)
+
+    every = [stacked(position) for position in range(5)]
+    state = loss_fn.batch_state(every[0], every[1], every[4], every[3], every[2], generator=generator)
+    return {name: value.to(device) for name, value in state.items()}
 
 
 def behaviour_kl(

@@ -21,7 +21,7 @@ import torch
 import softtrust as st
 
 from .checkpoint import find_checkpoint, restore_state, run_directory_of, save_state
-from .config import TrainConfig, build_method_loss, resolve_device, resume_config
+from .config import TrainConfig, resolve_device, resume_config
 from .distributed import (
     World,
     close_world,
@@ -32,6 +32,7 @@ from .distributed import (
     wrap_policy,
 )
 from .learner import Learner, build_optimizer, evaluate, policy_update
+from .loss_config import build_method_loss
 from .rollout import (
     ProblemSampler,
     RewardScorer,
