@@ -4,7 +4,7 @@ Generation is a plain KV-cache sampling loop (faster than ``model.generate`` for
 model on CPU). The trainer's random draws are keyed by (seed, rollout index, global group
 index) (``group_uniforms``): a rollout is the same whichever process samples which group,
 so ``torchrun`` with P processes samples what one process does, and a resume needs no
-sampler state. A reward is checked the same way in RL and in evaluation (``checked_reward``).
+sampler state. A reward is checked the same way in RL and in evaluation (``RewardScorer``).
 Each sampled token's log-prob is recorded with the same temperature scaling the learner
 uses, so a rollout's ``rollout_logprobs`` are the behaviour policy's own numbers.
 Everything after a completion's first end-of-sequence token is masked; the end-of-sequence
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import math
-import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -143,12 +141,66 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and attention mask, ``[B, P]`` each."""
+def prompt_texts(tokenizer, prompts: Sequence) -> tuple[list[str], bool]:
+    """The text fed to the model for each prompt, and whether it came from the chat template.
+
+    A plain string is fed as it is. A conversation (``Problem.prompt`` as ``(role, content)``
+    pairs) is rendered with the tokenizer's chat template and ``add_generation_prompt=True``
+    (its special tokens are in the text, so it is tokenized without adding more). A tokenizer
+    without a chat template is a ``ValueError`` naming ``model``.
+    """
+    conversations = [not isinstance(prompt, str) for prompt in prompts]
+    if not any(conversations):
+        return list(prompts), False
+    if not all(conversations):
+        raise ValueError("prompts: a batch mixes plain strings and conversations")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "model: the dataset holds conversations but the tokenizer has no chat template "
+            "(set tokenizer.chat_template and save it with the model, or write the prompts as plain strings)"
+        )
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in prompt],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for prompt in prompts
+    ]
+    return texts, True
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """Tokens that end a completion: the tokenizer's end of sequence and, with a chat template,
+    the token that closes an assistant turn (found by rendering one: the first special token
+    after the assistant's text, e.g. ``<|im_end|>``)."""
+    ids = [tokenizer.eos_token_id]
+    if getattr(tokenizer, "chat_template", None):
+        marker = "softtrust-end-of-turn-probe"
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], tokenize=False
+            )
+        except Exception:  # a template that refuses this conversation: keep the EOS only
+            text = ""
+        tail = text.partition(marker)[2]
+        special = set(tokenizer.all_special_ids)
+        for token in tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []:
+            if token in special:
+                if token not in ids:
+                    ids.append(token)
+                break
+    return ids
+
+
+def encode_prompts(tokenizer, prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask, ``[B, P]`` each (``prompt_texts`` renders
+    conversations with the chat template)."""
+    texts, templated = prompt_texts(tokenizer, prompts)
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
-        encoded = tokenizer(list(prompts), padding=True, return_tensors="pt")
+        encoded = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=not templated)
     finally:
         tokenizer.padding_side = previous_side
     return encoded["input_ids"], encoded["attention_mask"]
@@ -160,7 +212,7 @@ def sample_completions(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     max_new_tokens: int,
     temperature: float,
@@ -173,6 +225,7 @@ def sample_completions(
     Args:
         model: a Hugging Face causal LM (put in eval mode by the caller).
         prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts.
+        eos_token_id: the token, or tokens (``end_token_ids``), that end a completion.
         temperature: logits are divided by it before the softmax (the learner does the
             same); 0 means greedy, with log-probs taken at temperature 1.
         dtype: run the forward under ``torch.autocast`` in this dtype (a rollout engine
@@ -198,6 +251,9 @@ def sample_completions(
     position_ids = position_ids_from_mask(attention_mask)
     cache = None
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    stop = torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
+    )
     tokens, masks, logprobs = [], [], []
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _no_autocast()
     for position in range(max_new_tokens):
@@ -224,7 +280,7 @@ def sample_completions(
         masks.append(active)
         # Masked positions hold 0, never the (possibly -inf) log-prob of a pad token.
         logprobs.append(torch.where(active, chosen, torch.zeros_like(chosen)))
-        finished = finished | (token == eos_token_id)
+        finished = finished | torch.isin(token, stop)
         done = bool(finished.all())
         if all_finished(done) if all_finished is not None else done:
             break
@@ -312,34 +368,59 @@ def sequence_logprobs(
     )
 
 
-def checked_reward(task, completion: str, answer: str) -> float:
-    """``task.reward(completion, answer)`` as a float, or ``TypeError`` unless it is a finite real
-    number (a bool, a string, a tensor, inf or NaN are refused). RL and evaluation both score
-    through this, so a reward means the same in both."""
-    value = task.reward(completion, answer)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"reward function returned {value!r}, expected a finite number")
-    return float(value)
-
-
 class RewardScorer:
-    """Calls a task's reward safely (``checked_reward``): an exception or an invalid value scores 0
-    and is counted in ``failures``. With ``strict=True`` the exception (``TypeError`` for an
-    invalid value) propagates."""
+    """Scores completions with a task's rewards (``rewards.RewardSet``), the same way in RL and in
+    evaluation: a reward function that raises or returns an invalid value (a bool, a string, a
+    tensor, inf, NaN) scores 0 for the completions it was called on, which are counted in
+    ``failures``; with ``strict=True`` the exception (``TypeError`` for an invalid value) propagates."""
 
     def __init__(self, task, strict: bool = False):
-        self.task = task
+        from .rewards import RewardSet
+
+        self.rewards = RewardSet.of_task(task)
         self.strict = strict
         self.failures = 0
 
+    def score(
+        self,
+        problems: Sequence[Problem],
+        completions: Sequence[str],
+        completion_ids: Sequence[list] | None = None,
+    ) -> tuple[torch.Tensor, list[bool], dict[str, list]]:
+        """``(total [B] float32, correct [B], {reward name: [B] values or None})``.
+
+        ``total = Σ_k w_k r_k`` over the values that are not ``None``; ``correct``: the
+        correctness reward is not ``None`` and ``>= 1``.
+        """
+        completion_ids = completion_ids if completion_ids is not None else [[] for _ in completions]
+        parts = {}
+        for reward in self.rewards.rewards:
+            calls = (
+                [slice(0, len(problems))]
+                if reward.batched
+                else [slice(i, i + 1) for i in range(len(problems))]
+            )
+            values = []
+            for rows in calls:
+                try:
+                    values += reward(problems[rows], completions[rows], completion_ids[rows])
+                except Exception:
+                    if self.strict:
+                        raise
+                    self.failures += len(problems[rows])
+                    values += [0.0] * len(problems[rows])
+            parts[reward.name] = values
+        total = [
+            sum(r.weight * parts[r.name][i] for r in self.rewards.rewards if parts[r.name][i] is not None)
+            for i in range(len(problems))
+        ]
+        deciding = parts[self.rewards.rewards[self.rewards.correctness].name]
+        correct = [value is not None and value >= 1.0 for value in deciding]
+        return torch.tensor(total, dtype=torch.float32), correct, parts
+
     def __call__(self, completion: str, answer: str) -> float:
-        try:
-            return checked_reward(self.task, completion, answer)
-        except Exception:
-            if self.strict:
-                raise
-            self.failures += 1
-            return 0.0
+        """The total reward of one completion of a plain problem."""
+        return float(self.score([Problem("", answer)], [completion])[0][0])
 
 
 class ProblemSampler:
@@ -364,10 +445,10 @@ class ProblemSampler:
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
-    """Completion text up to (not including) the first EOS."""
-    texts = []
+    """Completion text up to (not including) the first end token, without special tokens."""
+    texts, ends = [], set(end_token_ids(tokenizer))
     for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist(), strict=True):
-        kept = [t for t, m in zip(ids, mask, strict=True) if m and t != tokenizer.eos_token_id]
+        kept = [t for t, m in zip(ids, mask, strict=True) if m and t not in ends]
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
     return texts
 
@@ -398,7 +479,7 @@ def generate_rollout(
         model,
         prompt_ids,
         prompt_mask,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=end_token_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -408,10 +489,10 @@ def generate_rollout(
     )
     model.train(was_training)
     completions = decode_completions(tokenizer, completion_ids, completion_mask)
-    rewards = torch.tensor(
-        [scorer(text, problem.answer) for text, problem in zip(completions, repeated, strict=True)],
-        dtype=torch.float32,
-    )
+    kept_ids = [
+        ids[: int(mask.sum())] for ids, mask in zip(completion_ids.tolist(), completion_mask, strict=True)
+    ]
+    rewards, _, _ = scorer.score(repeated, completions, kept_ids)
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
@@ -433,9 +514,14 @@ def greedy_accuracy(
     batch_size: int = 256,
     all_finished: Callable[[bool], bool] | None = None,
     strict: bool = False,
+    samples: list | None = None,
+    num_samples: int = 4,
 ) -> float:
-    """Fraction of ``problems`` whose greedy completion earns the full reward (>= 1), scored as in
-    RL (``RewardScorer``): a failing or invalid reward counts as wrong (``strict``: raises)."""
+    """Fraction of ``problems`` whose greedy completion the correctness reward scores >= 1, scored
+    as in RL (``RewardScorer``): a failing or invalid reward counts as wrong (``strict``: raises).
+
+    ``samples``: a list that receives the first ``num_samples`` problems' prompt as fed to the
+    model, completion and rewards (what ``samples.jsonl`` records)."""
     scorer = RewardScorer(task, strict=strict)
     was_training = model.training
     model.eval()
@@ -447,15 +533,26 @@ def greedy_accuracy(
             model,
             prompt_ids,
             prompt_mask,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=end_token_ids(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             max_new_tokens=max_new_tokens,
             temperature=0.0,
             all_finished=all_finished,
         )
         texts = decode_completions(tokenizer, completion_ids, completion_mask)
-        correct += sum(
-            scorer(text, problem.answer) >= 1.0 for text, problem in zip(texts, chunk, strict=True)
-        )
+        totals, right, parts = scorer.score(chunk, texts)
+        correct += sum(right)
+        if samples is not None:
+            for index in range(min(len(chunk), num_samples - len(samples))):
+                samples.append(
+                    {
+                        "prompt": prompt_texts(tokenizer, [chunk[index].prompt])[0][0],
+                        "completion": texts[index],
+                        "answer": chunk[index].answer,
+                        "reward": float(totals[index]),
+                        "rewards": {name: values[index] for name, values in parts.items()},
+                        "correct": right[index],
+                    }
+                )
     model.train(was_training)
     return correct / max(len(problems), 1)

@@ -1,0 +1,263 @@
+"""Datasets (formats, columns, bad records), chat templates, rewards (built-in math, TRL's batched
+signature, weights, None), samples.jsonl, micro-batches and the on-policy shortcut."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from softtrust.train.data import problems_from_records, read_records
+from softtrust.train.rewards import RewardSet, extract_final_answer, math_reward
+from softtrust.train.rollout import RewardScorer, decode_completions, encode_prompts, end_token_ids
+from softtrust.train.tasks import DatasetTask, Problem
+from softtrust.train.tiny import build_char_tokenizer
+from softtrust.train.trainer import train
+from test_train import micro_config, write_micro_model
+
+
+@pytest.fixture(scope="module")
+def micro_model_dir(tmp_path_factory) -> str:
+    return write_micro_model(tmp_path_factory.mktemp("micro_model"))
+
+
+RECORDS = [
+    {"prompt": "1+2=", "answer": "3", "level": 1},
+    {"prompt": "4+5=", "answer": 9, "level": 2},
+]
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}<unk>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def write_all_formats(directory: Path) -> list[Path]:
+    jsonl = directory / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    as_json = directory / "d.json"
+    as_json.write_text(json.dumps(RECORDS))
+    columns = directory / "columns.json"
+    columns.write_text(json.dumps({key: [r[key] for r in RECORDS] for key in RECORDS[0]}))
+    as_csv = directory / "d.csv"
+    with as_csv.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(RECORDS[0]))
+        writer.writeheader()
+        writer.writerows(RECORDS)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = directory / "d.parquet"
+    rows = [{**r, "answer": str(r["answer"])} for r in RECORDS]
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    from datasets import Dataset
+
+    saved = directory / "saved"
+    Dataset.from_list(rows).save_to_disk(str(saved))
+    return [jsonl, as_json, columns, as_csv, parquet, saved]
+
+
+def test_every_format_reads_the_same_problems_with_their_columns(tmp_path):
+    for path in write_all_formats(tmp_path):
+        problems = problems_from_records(read_records(path))
+        assert [(p.prompt, p.answer) for p in problems] == [("1+2=", "3"), ("4+5=", "9")], path
+        assert str(problems[1].columns["level"]) == "2", path  # CSV keeps text, the others numbers
+        assert "prompt" not in problems[0].columns and "answer" in problems[0].columns
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"question": "1+1=", "answer": "2"}, "expected a JSON object with 'prompt' and 'answer'"),
+        ({"prompt": None, "answer": "2"}, "'prompt' must be a non-empty string or a non-empty list"),
+        ({"prompt": "  ", "answer": "2"}, "'prompt' must be a non-empty string or a non-empty list"),
+        ({"prompt": [{"role": "user"}], "answer": "2"}, "'prompt' message 0 must be an object"),
+        ({"prompt": [{"role": "robot", "content": "x"}], "answer": "2"}, "has role 'robot'"),
+        ({"prompt": [{"role": "user", "content": "x"}], "answer": "2"}, "is a conversation but earlier"),
+        ({"prompt": "1+1=", "answer": [2]}, "'answer' must be a string or a finite number"),
+    ],
+)
+def test_bad_records_name_the_row(record, message, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([RECORDS[0], record]))
+    with pytest.raises(ValueError, match="dataset: .*bad.json row 2: ") as error:
+        problems_from_records(read_records(path))
+    assert message in str(error.value)
+
+
+def test_bad_csv_row_and_unknown_format_and_missing_column(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("prompt,answer\n1+1=,2\n,3\n")
+    with pytest.raises(ValueError, match=r"bad.csv row 2: 'prompt' must be a non-empty string"):
+        problems_from_records(read_records(path))
+    with pytest.raises(ValueError, match="unknown extension '.txt'"):
+        read_records(tmp_path / "x.txt").__len__() if (tmp_path / "x.txt").write_text("a") else None
+    columns = tmp_path / "q.jsonl"
+    columns.write_text(json.dumps({"question": "1+1=", "solution": "2"}) + "\n")
+    problems = problems_from_records(read_records(columns), "question", "solution")
+    assert problems[0].prompt == "1+1=" and problems[0].answer == "2"
+
+
+def conversation_tokenizer():
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def test_conversations_are_rendered_with_the_template_and_end_at_the_end_of_turn_token():
+    tokenizer = conversation_tokenizer()
+    prompt = (("system", "be brief"), ("user", "1+2="))
+    ids, mask = encode_prompts(tokenizer, [prompt, (("user", "10+20="),)])
+    text = tokenizer.decode(ids[0][mask[0].bool()].tolist(), skip_special_tokens=False)
+    assert text == "<s>system:be brief<unk><s>user:1+2=<unk><s>assistant:"  # no extra BOS added
+    unk, eos = tokenizer.convert_tokens_to_ids(["<unk>", "</s>"])
+    assert end_token_ids(tokenizer) == [eos, unk]
+    completion = torch.tensor([[*tokenizer.convert_tokens_to_ids(list("12")), unk, 5]])
+    assert decode_completions(tokenizer, completion, torch.tensor([[1, 1, 1, 0]])) == ["12"]
+    with pytest.raises(
+        ValueError, match="model: the dataset holds conversations but the tokenizer has no chat template"
+    ):
+        encode_prompts(build_char_tokenizer(), [prompt])
+
+
+def test_system_prompt_goes_first_and_is_refused_for_plain_strings(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
+    task = DatasetTask(path, system_prompt="S")
+    assert task.problems[0].prompt == (("system", "S"), ("user", "1+1="))
+    plain = tmp_path / "p.jsonl"
+    plain.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(ValueError, match="system_prompt: applies to conversational prompts"):
+        DatasetTask(plain, system_prompt="S")
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("so the sum is \\boxed{71}.", "71", 1.0),
+        ("\\boxed{\\frac{1}{2}} then \\boxed{0.5}", "0.5", 1.0),  # the last box
+        ("23 + 48 = 71", "71", 1.0),
+        ("work\n#### 1,234", "1234", 1.0),
+        ("The answer is $5.", "5", 1.0),
+        ("23 + 48 = 70", "71", 0.0),
+        ("no number here", "3", 0.0),
+    ],
+)
+def test_math_reward(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
+
+
+def test_extract_final_answer_nested_braces():
+    assert extract_final_answer("x \\boxed{\\frac{3}{4}} y") == "\\frac{3}{4}"
+    assert extract_final_answer("nothing") is None
+
+
+# TRL's batched signature, as a TRL user writes it (module-level: --reward imports it by name)
+CALLS = []
+
+
+def trl_style_reward(prompts, completions, completion_ids, answer, level, **kwargs):
+    CALLS.append((prompts, completions, completion_ids, answer, level))
+    return [
+        None if lvl == 2 else float(c[0]["content"].strip() == a)
+        for c, a, lvl in zip(completions, answer, level, strict=True)
+    ]
+
+
+def per_sample_with_columns(completion, answer, level):
+    return 0.5 * level
+
+
+def test_trl_batched_signature_weights_none_and_correctness():
+    rewards = RewardSet.parse(f"{__name__}:trl_style_reward,{__name__}:per_sample_with_columns", [1.0, 0.1])
+    scorer = RewardScorer(type("T", (), {"rewards": rewards})())
+    conversation = (("user", "1+2="),)
+    problems = [
+        Problem(conversation, "3", {"answer": "3", "level": 1}),
+        Problem(conversation, "3", {"answer": "3", "level": 2}),
+    ]
+    CALLS.clear()
+    total, correct, parts = scorer.score(problems, ["3", "3"], [[1, 2], [3]])
+    prompts, completions, ids, answer, level = CALLS[0]
+    assert prompts == [[{"role": "user", "content": "1+2="}]] * 2
+    assert completions == [[{"role": "assistant", "content": "3"}]] * 2 and ids == [[1, 2], [3]]
+    assert answer == ["3", "3"] and level == [1, 2]
+    # row 0: 1 x 1 + 0.1 x 0.5; row 1: None adds nothing, 0.1 x 1.0
+    assert total.tolist() == pytest.approx([1.05, 0.1])
+    assert correct == [True, False] and parts[f"{__name__}:trl_style_reward"] == [1.0, None]
+    with pytest.raises(ValueError, match="reward_weights: 1 weight"):
+        RewardSet.parse("math,exact", [1.0])
+    with pytest.raises(ValueError, match="correctness_reward: 'numeric' is not one of"):
+        RewardSet.parse("math,exact", None, "numeric")
+    assert RewardSet.parse("math,exact", None, "exact").correctness == 1
+
+
+def bad_length_reward(prompts, completions, completion_ids, **kwargs):
+    return [1.0]
+
+
+def test_invalid_batched_reward_output_is_counted_or_raised():
+    scorer = RewardScorer(type("T", (), {"rewards": RewardSet.parse(f"{__name__}:bad_length_reward")})())
+    problems = [Problem("a", "1"), Problem("b", "1")]
+    total, _, _ = scorer.score(problems, ["x", "y"])
+    assert total.tolist() == [0.0, 0.0] and scorer.failures == 2
+    scorer.strict = True
+    with pytest.raises(TypeError, match="expected a list of 2 floats or None"):
+        scorer.score(problems, ["x", "y"])
+
+
+def test_conversational_dataset_trains_with_a_trl_reward_and_writes_samples(micro_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(micro_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "conv.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": [{"role": "user", "content": f"{i}+{j}="}], "answer": str(i + j), "level": i}
+            )
+            + "\n"
+            for i in range(10)
+            for j in range(10)
+        )
+    )
+    config = micro_config(
+        str(model_dir),
+        tmp_path / "run",
+        dataset=str(data),
+        reward=f"{__name__}:trl_style_reward,math",
+        reward_weights=[1.0, 0.5],
+        correctness_reward="math",
+        samples_every=2,
+        num_samples=3,
+        max_steps=2,
+    )
+    CALLS.clear()
+    summary = train(config)
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    kinds = [(s["step"], s["kind"]) for s in samples]
+    assert kinds == [(0, "eval")] * 3 + [(2, "train")] * 3 + [(2, "eval")] * 3
+    assert all(s["prompt"].startswith("<s>user:") and s["prompt"].endswith("<s>assistant:") for s in samples)
+    assert set(samples[0]["rewards"]) == {f"{__name__}:trl_style_reward", "math"}
+    assert CALLS and all(isinstance(p, list) for p in CALLS[0][0])  # the reward saw conversations
+
+
+def test_a_conversation_with_a_tokenizer_without_template_is_a_clear_error(micro_model_dir, tmp_path):
+    data = tmp_path / "conv.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": f"{i}="}], "answer": str(i)}) + "\n"
+            for i in range(20)
+        )
+    )
+    with pytest.raises(ValueError, match="model: the dataset holds conversations"):
+        train(micro_config(micro_model_dir, tmp_path / "run", dataset=str(data), reward="exact"))
