@@ -261,3 +261,93 @@ def test_a_conversation_with_a_tokenizer_without_template_is_a_clear_error(micro
     )
     with pytest.raises(ValueError, match="model: the dataset holds conversations"):
         train(micro_config(micro_model_dir, tmp_path / "run", dataset=str(data), reward="exact"))
+
+
+# ---------------------------------------------------------------------- micro-batches, N = 1
+def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed: int = 0):
+    from softtrust.train.rollout import RolloutBatch
+    from softtrust.train.staleness import MiniBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    completion_mask = torch.ones(rows, width, dtype=torch.long)
+    for row in range(rows):  # ragged completions: row r keeps 1 + r % width tokens
+        completion_mask[row, 1 + row % width :] = 0
+    input_ids = torch.randint(5, model.config.vocab_size, (rows, prompt + width), generator=generator)
+    attention_mask = torch.cat([torch.ones(rows, prompt, dtype=torch.long), completion_mask], 1)
+    batch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        rollout_logprobs=torch.zeros(rows, width),
+        rewards=torch.zeros(rows),
+    )
+    from softtrust.train.rollout import sequence_logprobs
+
+    with torch.no_grad():
+        current = sequence_logprobs(model, input_ids, attention_mask, width)
+    # ratios spread around 1 (log-ratio noise 0.3): clipping and selections act on some tokens
+    old = (current + 0.3 * torch.randn(rows, width, generator=generator)) * completion_mask
+    advantages = torch.randn(rows, generator=generator)
+    return MiniBatch(batch, old, None, advantages, 0, 0, (0, rows), 0)
+
+
+@pytest.mark.parametrize(
+    ("method", "aggregation"),
+    [
+        ("clip", "token-mean"),
+        ("gspo", "seq-mean-token-mean"),
+        ("cispo", "seq-mean-token-sum-norm"),
+        ("m2po", "token-mean"),  # batch_state: the second-moment cut over the whole mini-batch
+        ("kl-cov", "token-mean"),  # batch_state: the covariance selection over the whole mini-batch
+    ],
+)
+def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(
+    micro_model_dir, tmp_path, method, aggregation
+):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from softtrust.train.config import build_method_loss
+    from softtrust.train.learner import policy_update
+
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
+    minibatch = micro_minibatch(model)
+    gradients, losses = [], []
+    for size in (0, 3, 1):  # whole, uneven pieces (3, 3, 2), one row each
+        config = micro_config(
+            micro_model_dir, tmp_path / "run", method=method, aggregation=aggregation, micro_batch_size=size
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put: compare gradients
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        state = SimpleNamespace(nonfinite_in_a_row=0, nonfinite_skips=0)
+        metrics = policy_update(
+            model, optimizer, scheduler, build_method_loss(config), minibatch, None, config, state
+        )
+        assert metrics["skipped"] == 0
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        losses.append(metrics["loss"])
+    scale = gradients[0].abs().max()
+    assert scale > 0
+    for gradient, loss in zip(gradients[1:], losses[1:], strict=True):
+        assert float((gradient - gradients[0]).abs().max()) <= 1e-5 * float(scale)
+        assert loss == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+
+
+def test_on_policy_skips_the_behaviour_forward_and_keeps_ratio_one(micro_model_dir, tmp_path, monkeypatch):
+    import softtrust.train.staleness as staleness_module
+
+    calls = []
+    real = staleness_module.behaviour_logprobs
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(staleness_module, "behaviour_logprobs", counting)
+    train(micro_config(micro_model_dir, tmp_path / "n1", staleness=1, max_steps=2, method="clip"))
+    assert calls == []  # N = 1: no separate behaviour forward
+    metrics = [json.loads(line) for line in (tmp_path / "n1" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["kl_behaviour"] == 0.0 for m in metrics)  # the learner's own log-probs: ratio 1
+    train(micro_config(micro_model_dir, tmp_path / "n2", staleness=2, max_steps=2, method="clip"))
+    assert len(calls) == 2  # N = 2: one behaviour forward per mini-batch of the rollout
