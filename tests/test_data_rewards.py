@@ -351,3 +351,21 @@ def test_on_policy_skips_the_behaviour_forward_and_keeps_ratio_one(micro_model_d
     assert all(m["kl_behaviour"] == 0.0 for m in metrics)  # the learner's own log-probs: ratio 1
     train(micro_config(micro_model_dir, tmp_path / "n2", staleness=2, max_steps=2, method="clip"))
     assert len(calls) == 2  # N = 2: one behaviour forward per mini-batch of the rollout
+
+
+def test_shared_prompt_prefill_samples_what_a_prefill_per_row_does(micro_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from softtrust.train.rollout import group_uniforms, sample_completions
+
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
+    tokenizer = build_char_tokenizer()
+    prompts = [p for p in ("1+2=", "13+4=", "7+7=") for _ in range(4)]  # 3 groups of G = 4, ragged
+    ids, mask = encode_prompts(tokenizer, prompts)
+    common = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=5)
+    uniforms = group_uniforms(0, 0, [0, 1, 2], 4, 5)
+    per_row = sample_completions(model, ids, mask, temperature=1.0, uniforms=uniforms, **common)
+    shared = sample_completions(model, ids, mask, temperature=1.0, uniforms=uniforms, group_size=4, **common)
+    assert torch.equal(per_row[0], shared[0]) and torch.equal(per_row[1], shared[1])
+    torch.testing.assert_close(per_row[2], shared[2], rtol=1e-5, atol=1e-5)
+    assert len(set(map(tuple, per_row[0].tolist()))) > 3  # the rows of a group differ

@@ -222,6 +222,7 @@ def sample_completions(
     dtype: torch.dtype | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
+    group_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample (or, at ``temperature == 0``, greedily decode) completions with a KV cache.
 
@@ -239,6 +240,8 @@ def sample_completions(
             each row's draw depends only on its own numbers, never on the batch it is sampled in.
         all_finished: given this process's "every row has ended", says whether every process
             has (FSDP2: all ranks must run the same number of forwards); default: this one.
+        group_size: rows come in groups of this many copies of one prompt (a rollout's G):
+            the prompt is prefilled once per group (checked; otherwise every row is prefilled).
 
     Returns:
         ``completion_ids [B, T]`` (pad after EOS), ``completion_mask [B, T]`` (up to and
@@ -262,18 +265,27 @@ def sample_completions(
     )
     tokens, masks, logprobs = [], [], []
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _no_autocast()
+    # G completions of one prompt are consecutive rows with the same prompt: the prefill runs
+    # once per prompt and its KV cache is repeated G times (G x less prefill compute).
+    shared = group_size > 1 and batch_size % group_size == 0 and all_finished is None
+    shared = shared and torch.equal(step_input, step_input[::group_size].repeat_interleave(group_size, 0))
     for position in range(max_new_tokens):
+        prefill_shared = shared and position == 0
+        rows = slice(None, None, group_size) if prefill_shared else slice(None)
         with autocast:
             output = model(
-                input_ids=step_input,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
+                input_ids=step_input[rows],
+                attention_mask=attention_mask[rows],
+                position_ids=position_ids[rows],
                 use_cache=True,
                 **{cache_name: cache},
                 **last_only,
             )
         cache = getattr(output, cache_name)
         logits = output.logits[:, -1, :].float()  # [B, V]
+        if prefill_shared:
+            cache.batch_repeat_interleave(group_size)
+            logits = logits.repeat_interleave(group_size, 0)
         if temperature > 0:
             log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
             token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
@@ -494,6 +506,7 @@ def generate_rollout(
         dtype=dtype,
         uniforms=uniforms,
         all_finished=all_finished,
+        group_size=group_size,
     )
     model.train(was_training)
     completions = decode_completions(tokenizer, completion_ids, completion_mask)

@@ -117,6 +117,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
                 # 2. advantages: group-relative, from the rewards of the whole rollout
                 rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
             minibatch = rollouts.next(state.step)
+            collect_seconds = time.time() - collect_start
             state.reward_failures = int(world.sum(scorer.failures))
             # 3. update: one optimizer step on the mini-batch
             update_metrics = policy_update(
@@ -128,6 +129,9 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             metrics = step_metrics(
                 state, minibatch, update_metrics, rollouts, time.time() - collect_start, world
             )
+            # where the step's time went: sampling + behaviour log-probs, then the update
+            metrics["seconds/collect"] = collect_seconds
+            metrics["seconds/update"] = metrics["seconds"] - collect_seconds
             if config.samples_every and state.step % config.samples_every == 0:
                 run.log_samples(
                     state.step, "train", training_samples(tokenizer, minibatch, config.num_samples)
