@@ -5,6 +5,7 @@ Usage::
     python benchmarks/bench_logprobs.py            # realistic shapes, writes docs/benchmarks_logprobs.md
     python benchmarks/bench_logprobs.py --quick    # small shapes, prints only
     python benchmarks/bench_logprobs.py --tiles 1024x8192,2048x2048,512x2048   # tile shapes, prints only
+    python benchmarks/bench_logprobs.py --truncated   # top-k/top-p cost on the first shape, prints only
 
 Each variant runs forward + backward of ``Σ log p(label)`` with gradients for the
 hidden states and the LM-head weight (a bias-free head, as in Qwen2.5 and Llama):
@@ -159,6 +160,58 @@ STANDING_NOTES = """- **The tile shape matters at the smaller vocabulary.** The 
   holds more than the unfused path."""  # holds the logits but no autograd state: not comparable
 
 
+def truncated_variant(top_k: int | None, top_p: float | None) -> Callable:
+    """``token_logprobs`` scoring the top-k/top-p truncated policy (default tiles of that path)."""
+
+    def run(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+        from softtrust.logprobs import token_logprobs
+
+        token_logprobs(hidden, weight, labels, top_k=top_k, top_p=top_p).sum().backward()
+
+    return run
+
+
+# Not in the default run (its tables stay as they are): `--truncated` and the memory child use them.
+TRUNCATED_VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]] = {
+    "softtrust top_k=50": truncated_variant(50, None),
+    "softtrust top_p=0.9": truncated_variant(None, 0.9),
+    "softtrust top_k=50, top_p=0.9": truncated_variant(50, 0.9),
+}
+
+
+def variant(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    return VARIANTS[name] if name in VARIANTS else TRUNCATED_VARIANTS[name]
+
+
+def compare_truncated(shape: Shape, repeats: int, threads: int) -> None:
+    """Print time and peak memory of the truncated variants against the default path and unfused.
+
+    Memory twice: with glibc's default malloc (a freed block up to 32 MiB raises its mmap
+    threshold, later blocks come from the heap and can stay resident), and with the
+    threshold fixed at 1 MiB (``_memory.FIXED_MMAP_ENV``: resident memory tracks live tensors).
+    """
+    from _memory import FIXED_MMAP_ENV
+
+    names = ["unfused", SOFTTRUST, *TRUNCATED_VARIANTS]
+    times = time_variants(shape, names, 0, repeats)
+    print(f"{shape.label()}, {repeats} rounds; ratios are medians of same-round ratios")
+    print(
+        "| variant | wall median (s) | CPU median (s) | wall / default path | CPU / default path "
+        "| peak memory (MiB) | peak, fixed mmap threshold (MiB) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in names:
+        wall = statistics.median(t.wall for t in times[name])
+        cpu = statistics.median(t.cpu for t in times[name])
+        memory = measure_memory(name, shape, threads)["peak_mib"]
+        live = measure_memory(name, shape, threads, FIXED_MMAP_ENV)["peak_mib"]
+        print(
+            f"| {name} | {wall:.2f} | {cpu:.2f} | {paired_ratio(times[name], times[SOFTTRUST], 'wall'):.2f} "
+            f"| {paired_ratio(times[name], times[SOFTTRUST], 'cpu'):.2f} | {memory:,.0f} | {live:,.0f} |",
+            flush=True,
+        )
+
+
 def tile_variant(tile: str) -> str:
     """Register ``token_logprobs`` with ``TOKENSxVOCAB`` tiles as a variant; return its name."""
     tokens, vocab = (int(x) for x in tile.lower().split("x"))
@@ -225,7 +278,7 @@ def time_variants(shape: Shape, variants: list[str], warmup: int, repeats: int) 
     hidden, weight, labels = make_inputs(shape)
     times: dict[str, list[Timing]] = {name: [] for name in variants}
     for round_index in range(warmup + repeats):
-        timings = {name: timed_call(VARIANTS[name], hidden, weight, labels) for name in variants}
+        timings = {name: timed_call(variant(name), hidden, weight, labels) for name in variants}
         if round_index >= warmup:
             for name, timing in timings.items():
                 times[name].append(timing)
@@ -238,13 +291,13 @@ def time_variants(shape: Shape, variants: list[str], warmup: int, repeats: int) 
     return times
 
 
-def memory_child(variant: str, shape: Shape, threads: int) -> dict:
+def memory_child(variant_name: str, shape: Shape, threads: int) -> dict:
     """Run in a fresh interpreter: peak memory of one forward + backward above the inputs."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _memory import peak_delta_mib
 
     torch.set_num_threads(threads)
-    fn = VARIANTS[variant]
+    fn = variant(variant_name)
     # Load the code paths (kernels, lazily imported modules) on a small shape first.
     fn(*make_inputs(Shape(8, 64, shape.dtype)))
     hidden, weight, labels = make_inputs(shape)
@@ -252,14 +305,17 @@ def memory_child(variant: str, shape: Shape, threads: int) -> dict:
     return {"peak_mib": peak_mib, "method": method}
 
 
-def measure_memory(variant: str, shape: Shape, threads: int) -> dict:
+def measure_memory(variant: str, shape: Shape, threads: int, env: dict[str, str] | None = None) -> dict:
+    """Peak memory of one forward + backward in a fresh interpreter (``env`` added to its environment)."""
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--memory-child",
         json.dumps({"variant": variant, "shape": shape.__dict__, "threads": threads}),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        command, capture_output=True, text=True, check=True, env={**os.environ, **(env or {})}
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -441,6 +497,9 @@ def main() -> None:
     parser.add_argument(
         "--tiles", default=None, help="compare tile shapes TOKENSxVOCAB,... against unfused (prints only)"
     )
+    parser.add_argument(
+        "--truncated", action="store_true", help="top-k/top-p variants on the first shape (prints only)"
+    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -454,6 +513,9 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 3)
     if args.tiles:
         compare_tiles(args.tiles, shapes, repeats)
+        return
+    if args.truncated:
+        compare_truncated(shapes[0], repeats, args.threads)
         return
     output = args.output or (None if args.quick else DEFAULT_OUTPUT)
     variants = [name for name in VARIANTS if trl_available() or not name.startswith("trl")]

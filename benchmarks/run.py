@@ -82,31 +82,23 @@ TRL time / softtrust time (above 1: softtrust is faster).
 
 {loss_table}
 
-How the fused path works (`PolicyLoss._fused_loss`, every method but GMPO, no KL term): all
-the math runs on detached tensors and ends in the gradient `g = ∂L/∂logp` itself; one
-contraction `Σ logp·g` carries it to autograd, so the backward is one multiply, whatever
-the method (Clip's `minimum` and `clamp` backwards, the most expensive part of the plain
-versions, never run). Kernels over the [B, T] inputs in softtrust's VESPO path (sequence-sum,
-token-mean, no metrics): mask conversion, the mask's token count, `logp - old`, its extremes
-(`aminmax`: the finiteness check and whether the ±20 clamp acts at all), the masked row sum
-`Σ_t m·log r` (in place), `g = m·c` (into the same buffer), the contraction, and one multiply
-in the backward: 9 kernels, 3 [B, T] allocations. TRL's path runs about 11 kernels and
-allocates more; the plain version 11. Everything else is per-operation overhead: 10
-operations on [B, 1] tensors (φ and the coefficient `c = -φ·A/N`), 5 views and 3 reads of a
-number (the extremes and the token count; free on CPU), 26 dispatched operations in the
-forward against TRL's 25. To get there the token count is read as a number on CPU (no clamp
-and reciprocal operations), the sequence clamp is skipped when `T·max_t |log r_t|` already
-lies inside it, φ takes its six constants from one cached lookup, and without metrics no
-per-row counts are made. At the smallest shapes the call (about 0.2 ms) is these
-operations, the input checks (about 9.5 µs at 16 × 256: dtypes, shapes, mask values, advantages) and the
-backward's fixed cost, so the ratio there moves with machine noise: over eight runs on
-2026-12-03 (a 2-core AMD EPYC, same code path), 8 × 128 gave 0.94–1.16× TRL, median 0.98×,
-and 16 × 256 0.97–1.21×, median 1.04×; a microbenchmark of 2,000 round-robin repetitions on
-2026-12-04 gave 1.05× and 1.08×: parity at the smallest shapes, not a margin.
+How the call is built (`PolicyLoss.__call__`, the same composition for every method: no
+fused twin): on CPU tensors the value checks read one sum over the inputs; when it is
+finite the token log-ratio is masked by a multiply (PyTorch's CPU bool selects run 5-20×
+slower than a multiply), a detached-weight method (VESPO, CISPO) gets its ratio without an
+autograd graph, the method's one formula gives ℓ, and the aggregation is one dot product
+with the mask (its backward is one multiply) or a masked row sum for per-row weights.
+Kernels over the [B, T] inputs in the VESPO column (sequence-sum, token-mean, no metrics):
+mask conversion, the row counts, `logp - old`, the check's sum, the clamp and the mask
+multiply, the row sum of `log r`, `-(φ·A)·logp`, the dot; the backward is two multiplies.
+At the smallest shapes the call is per-operation overhead (about 36 dispatched operations in
+the forward, against TRL's 26, most of the difference being the input checks and the
+masking that makes masked inf/NaN harmless), so softtrust trails TRL by tens of
+microseconds there; from 128 × 512 up memory traffic dominates and the composition wins.
 
 Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
-The `+metrics` column adds ratio, log-weight, φ and ESS statistics: small reductions and one
-host sync.
+The `+metrics` column adds ratio, log-weight, φ and ESS statistics as 0-dim tensors (no host
+sync in the call; `LossOutput.metric_values()` reads them with one transfer).
 
 ## One RL step on a small Qwen2
 

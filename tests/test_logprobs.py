@@ -443,7 +443,7 @@ def test_default_tiles_are_cache_sized_on_cpu_and_larger_elsewhere():
 
 def test_both_tile_logsumexp_formulas_agree_with_large_offsets():
     """The CPU formula (max, in-place shift, exp, sum) against ``torch.logsumexp`` (used off CPU)."""
-    from softtrust.logprobs import _tile_logsumexp
+    from softtrust._tiles import _tile_logsumexp
 
     tile = torch.randn(37, 300, dtype=torch.float64) * 5 + 1e4  # offsets that overflow a naive exp
     expected = torch.logsumexp(tile, 1)

@@ -18,7 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from softtrust.cli import main
-from softtrust.study import EXIT_STOPPED, CollapseCriterion, load_run, mean_std_ci, run_outcome, split_methods
+from softtrust.study import (
+    EXIT_STOPPED,
+    PRESETS,
+    CollapseCriterion,
+    load_run,
+    mean_std_ci,
+    run_outcome,
+    split_methods,
+)
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)
@@ -150,6 +158,14 @@ def test_smoke_sweep_runs_the_grid_and_writes_all_four_outputs(sweep_env, tmp_pa
         events = [json.loads(line) for line in Path(run["run_dir"], "events.jsonl").read_text().splitlines()]
         warm_starts |= {e["warmstart"] for e in events if "warmstart" in e}
     assert len(warm_starts) == 1  # the same cached warm start for every cell of the seed
+    # every run records the code that made it (the trainer writes it; this checkout is a git tree)
+    from softtrust._provenance import provenance
+
+    expected = provenance()
+    assert all(run["provenance"] == expected for record in report["records"] for run in record["runs"])
+    assert expected["git_commit"] and {"softtrust", "torch", "transformers"} <= set(expected["versions"])
+    assert len(report["code"]) == 1 and not report["mixed_code"]
+    assert {p["metric"] for p in report["lag_profile"]} >= {"loss/ess", "kl_behaviour", "loss/ratio/mean"}
 
     table = (output / "summary.md").read_text()
     assert "| N | clip | vespo |" in table
@@ -306,7 +322,7 @@ def test_bad_method_parameter_or_unknown_flag_fails_before_any_run(sweep_env, tm
 def test_mean_std_ci_uses_the_student_t_quantile():
     stat = mean_std_ci([0.2, 0.4, 0.6])
     assert stat["mean"] == pytest.approx(0.4) and stat["std"] == pytest.approx(0.2)
-    assert stat["ci95"] == pytest.approx(4.303 * 0.2 / math.sqrt(3))
+    assert stat["ci95"] == pytest.approx(4.3026527 * 0.2 / math.sqrt(3))  # t_{0.975, 2} = 4.3026527...
     assert mean_std_ci([0.5])["ci95"] is None
 
 
@@ -390,9 +406,7 @@ def test_an_lr_flag_with_a_preset_that_has_an_lr_axis_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------- presets and paired statistics
-@pytest.mark.parametrize(
-    "name", ["full", "quick", "addition", "lr-stability", "lr-stability-long", "vespo-ablations"]
-)
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_builds_a_valid_grid(name, tmp_path):
     from softtrust.cli import build_parser
     from softtrust.study.cli import PRESETS, sweep_from_arguments
@@ -407,6 +421,36 @@ def test_every_preset_builds_a_valid_grid(name, tmp_path):
         expected.pop("lr", None)
         assert sweep.lrs == PRESETS[name]["lrs"] and "lr" not in sweep.overrides
     assert sweep.overrides.items() >= expected.items()
+    assert sweep.jobs == PRESETS[name].get("jobs", os.cpu_count() or 1)  # async: one cell at a time
+
+
+def test_presets_of_the_next_runs_route_corrections_and_the_async_axis(tmp_path):
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+
+    def sweep(name):
+        argv = ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
+        return sweep_from_arguments(*build_parser().parse_known_args(argv))
+
+    mismatch = sweep("mismatch")
+    configs = {cell.spec.label: mismatch.cell_config(cell) for cell in mismatch.cells()}
+    assert configs["vespo[correction=tis]"].correction == "tis"
+    assert configs["clip[correction=mis]"].correction == "mis" and configs["clip"].correction is None
+    assert {c.mismatch for c in configs.values()} == {"bf16"} and {c.staleness for c in configs.values()} == {
+        1
+    }
+    controls = sweep("controls")
+    clip28 = next(c for c in controls.cells() if c.spec.label == "clip[eps_high=0.28]")
+    assert controls.cell_config(clip28).method_params == {"eps_high": 0.28}
+    asynchronous = sweep("async")
+    assert asynchronous.axis == "K" and asynchronous.jobs == 1
+    assert {asynchronous.cell_config(c).max_lag for c in asynchronous.cells()} == {1, 16}
+    # the head-to-head shares the controls' clip and VESPO cells (the same configs)
+    head = sweep("head-to-head")
+    shared = {c.name: head.cell_config(c) for c in head.cells() if c.spec.label in ("clip", "vespo")}
+    assert shared == {
+        c.name: controls.cell_config(c) for c in controls.cells() if c.spec.label in ("clip", "vespo")
+    }
 
 
 def test_quick_preset_is_the_first_half_of_full_study_cells(tmp_path):
@@ -442,8 +486,8 @@ def synthetic_report(finals: dict, seeds=(0, 1, 2)) -> dict:
 
 
 def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_zero():
-    from softtrust.study.analysis import paired_differences
-    from softtrust.study.markdown import _paired_table
+    from softtrust.study.analysis import holm_adjust, paired_differences
+    from softtrust.study.markdown import _tests_table
 
     report = synthetic_report(
         {
@@ -457,7 +501,7 @@ def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_ze
     drop = entries[("clip: N = 64 − N = 4", "final_accuracy")]
     assert drop["values"] == pytest.approx([-0.10, -0.09, -0.11])
     assert drop["mean"] == pytest.approx(-0.10)
-    assert drop["ci95"] == pytest.approx(4.303 * 0.01 / math.sqrt(3))
+    assert drop["ci95"] == pytest.approx(4.3026527 * 0.01 / math.sqrt(3))
     assert drop["excludes_zero"]
     # unpaired, the same numbers would not separate: the per-cell intervals overlap widely
     assert mean_std_ci([0.50, 0.30, 0.70])["ci95"] > 0.4
@@ -469,10 +513,14 @@ def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_ze
     assert ahead["values"] == pytest.approx([0.05, -0.02, 0.05]) and not ahead["excludes_zero"]
     assert ("clip − vespo at N = 4", "final_accuracy") not in entries  # vespo is the reference
 
-    report["paired"] = list(entries.values())
-    table = "\n".join(_paired_table(report))
-    assert "| clip: N = 64 − N = 4 | **-10.0 ± 2.5** | **-5.0 ± 1.2** |" in table
-    assert "| vespo: N = 64 − N = 4 | -0.5 ± 31.8 (n = 2) |" in table
+    report["paired"] = holm_adjust(list(entries.values()))
+    table = "\n".join(_tests_table(report, "paired", "Paired differences"))
+    # t = -0.10 / (0.01 / √3) = -17.3 on 2 d.f.: p = 0.0033; times 8 tests (Holm's first step) = 0.027
+    assert (
+        "| clip: N = 64 − N = 4 | final accuracy | **-10.0 ± 2.5** | 0 / 3 | paired t | 0.003 | **0.027** |"
+        in table
+    )
+    assert "| vespo: N = 64 − N = 4 | final accuracy | -0.5 ± 31.8 (n = 2) | 1 / 1 | paired t |" in table
 
 
 def test_report_tables_mark_cells_with_fewer_seeds_than_the_grid():

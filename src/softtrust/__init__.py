@@ -35,6 +35,7 @@ from softtrust.methods import (
     register_method,
 )
 from softtrust.ratios import LEVELS
+from softtrust.truncation import sample_truncated, truncated_log_softmax, truncation_mask
 
 __version__ = "0.1.0"
 
@@ -79,5 +80,8 @@ __all__ = [
     "make_method",
     "register_method",
     "rloo_advantages",
+    "sample_truncated",
     "token_logprobs",
+    "truncated_log_softmax",
+    "truncation_mask",
 ]

@@ -13,7 +13,7 @@ no LM-head bias and no entropy gradient:
 * :func:`grad_tile`: ``p - onehot(y)`` with ``p = exp(raw / T - L)``, written once in
   the GEMM dtype (bf16 for bf16 inputs). Replaces shift, exp, scatter and the bf16 copy.
 
-The math is the same as the PyTorch path of :mod:`softtrust.logprobs`, in fp32.
+The math is the same as the PyTorch tile ops of :mod:`softtrust._tiles`, in fp32.
 ``triton`` is optional: :func:`available` says whether these kernels run on a device
 (the first time, it runs both on a small tile and checks them against PyTorch; a
 Triton that cannot build or run them leaves a warning and the PyTorch path). Set

@@ -14,8 +14,9 @@ The sweep directory holds:
 | ``sweep.json`` | the grid and the shared overrides |
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
 | ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses (a run still going counts in the collapses and curves only: its best so far is not a result) |
-| ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods |
-| ``curves.png``, ``final_vs_staleness.png`` | the figures (with ``--lrs``: at the smallest learning rate) |
+| ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods; the outcome-based cells; the paired tests and differences-in-differences with the Holm adjustment; the diagnostics against the lag; the code of the runs |
+| ``curves.png``, ``final_vs_staleness.png``, ``lag.png`` | the figures (with ``--lrs``: at the smallest learning rate) |
+| ``paired_differences.png`` | each paired comparison's per-seed differences with their mean and 95 % interval |
 | ``lr_stability.png`` | with ``--lrs``: the largest stable learning rate against N, one line per method |
 
 The learning-rate view (``--lrs 3e-4,1e-3,...``): a third grid axis. For every method and
@@ -35,6 +36,10 @@ naming them, rather than mixing old and new results in one table.
 
 The collapse criterion (``CollapseCriterion``, applied per run) is documented there.
 
+Every run records the code that made it (``summary.json["provenance"]``: git commit, dirty
+flag, package versions); the report refuses to pair runs of different code, naming the
+cells of each, unless ``--allow-mixed-code``.
+
 The package, one job per module:
 
 | module | job |
@@ -44,18 +49,20 @@ The package, one job per module:
 | ``runner`` | running the cells (processes, resumption, the sweep log) |
 | ``cell`` | one cell's process (``python -m softtrust.study.cell``) |
 | ``runs`` | reading run directories into raw run records |
-| ``analysis`` | a pure function from run records to the report (collapse, statistics, lr stability, paired differences) |
+| ``analysis`` | a pure function from run records to the report (collapse, outcomes, lr stability, paired tests, differences-in-differences, the lag view, the code check) |
+| ``stats`` | intervals, the paired t and exact sign tests, the Holm adjustment (``scipy.stats``) |
 | ``markdown``, ``plots`` | render the report (nothing else) |
 | ``report`` | read, analyse, render: the files of the sweep directory |
 | ``cli`` | ``softtrust sweep``'s flags and command |
 """
 
-from softtrust.study.analysis import CollapseCriterion, analyse, mean_std_ci, run_outcome
+from softtrust.study.analysis import CollapseCriterion, analyse, run_outcome
 from softtrust.study.grid import Cell, MethodSpec, Sweep, split_methods
 from softtrust.study.presets import PRESETS
 from softtrust.study.report import write_report
 from softtrust.study.runner import run_sweep
 from softtrust.study.runs import EXIT_BAD_CONFIG, EXIT_STOPPED, load_run, load_runs
+from softtrust.study.stats import holm, mean_std_ci
 
 __all__ = [
     "EXIT_BAD_CONFIG",
@@ -66,6 +73,7 @@ __all__ = [
     "MethodSpec",
     "Sweep",
     "analyse",
+    "holm",
     "load_run",
     "load_runs",
     "mean_std_ci",

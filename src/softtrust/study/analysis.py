@@ -14,26 +14,8 @@ import math
 from dataclasses import dataclass
 
 from .grid import Cell, Sweep
-from .runs import EXIT_STOPPED
-
-# Two-sided 95 % Student t quantiles t_{0.975, df}; df > 30 uses the normal 1.96.
-T_975 = {
-    1: 12.706,
-    2: 4.303,
-    3: 3.182,
-    4: 2.776,
-    5: 2.571,
-    6: 2.447,
-    7: 2.365,
-    8: 2.306,
-    9: 2.262,
-    10: 2.228,
-    12: 2.179,
-    15: 2.131,
-    20: 2.086,
-    25: 2.060,
-    30: 2.042,
-}
+from .runs import DIAGNOSTICS, EXIT_STOPPED
+from .stats import ALPHA, holm, mean_std_ci, paired_t_test, sign_test
 
 
 @dataclass(frozen=True)
@@ -99,22 +81,6 @@ class CollapseCriterion:
         )
 
 
-# ---------------------------------------------------------------------- statistics
-def mean_std_ci(values: list[float]) -> dict:
-    """Mean, sample std and the 95 % Student t half-width over seeds (None with one value)."""
-    values = [float(v) for v in values if v is not None and math.isfinite(v)]
-    n = len(values)
-    if n == 0:
-        return {"mean": None, "std": None, "ci95": None, "n": 0, "values": []}
-    mean = sum(values) / n
-    if n == 1:
-        return {"mean": mean, "std": None, "ci95": None, "n": 1, "values": values}
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    df = n - 1
-    t = T_975.get(df) or (T_975[max(k for k in T_975 if k <= df)] if df <= 30 else 1.96)
-    return {"mean": mean, "std": std, "ci95": t * std / math.sqrt(n), "n": n, "values": values}
-
-
 def area_under_curve(points: list[tuple[int, float]], max_steps: int) -> float | None:
     """Trapezoid area of accuracy against step (evaluations from step 0 to ``max_steps``),
     divided by the steps spanned: the mean accuracy along the run, in [0, 1]."""
@@ -163,6 +129,7 @@ def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict
         "collapse_step": collapse_step,
         "collapse_reason": reason,
         "wall_seconds": summary.get("wall_seconds") if summary else None,
+        "provenance": run.get("provenance"),
         "curves": {"reward": rewards, "accuracy": accuracies},
     }
 
@@ -193,6 +160,15 @@ def collect(sweep: Sweep, runs: dict[Cell, dict], criterion: CollapseCriterion) 
                 "accuracy_before": mean_std_ci([run["accuracy_before"] for run in outcomes]),
                 "collapsed_runs": len(collapse_steps),
                 "first_collapse_step": min(collapse_steps) if collapse_steps else None,
+                # bimodal: some runs collapsed; reported by outcome, compared by the sign test
+                "outcome_based": bool(collapse_steps),
+                "outcomes": {
+                    "collapsed": len(collapse_steps),
+                    "not_collapsed": len(outcomes) - len(collapse_steps),
+                    "final_not_collapsed": mean_std_ci(
+                        [run["final_accuracy"] for run in outcomes if not run["collapsed"]]
+                    ),
+                },
                 "runs": outcomes,
             }
         )
@@ -236,28 +212,50 @@ def lr_stability(report: dict) -> list[dict]:
 
 PAIRED_MEASURES = (("final_accuracy", "final accuracy"), ("auc_accuracy", "area under the curve"))
 
+HOLM_FAMILY = (
+    "every test the report makes: each paired comparison and each difference-in-differences, "
+    "for both measures (final accuracy and area under the curve)"
+)
+
+
+def _by_seed(report: dict) -> tuple[dict, dict]:
+    """``{(method, N, seed): run}`` and ``{(method, N): outcome_based}`` of the report's records."""
+    axis, runs, bimodal = report["axis"], {}, {}
+    for record in report["records"]:
+        bimodal[(record["method"], record[axis])] = bool(record.get("outcome_based"))
+        for run in record["runs"]:
+            runs[(record["method"], record[axis], run["seed"])] = run
+    return runs, bimodal
+
+
+def _test(differences: list[float], outcome_based: bool) -> dict:
+    """The paired t-test, or the exact sign test when a cell involved is outcome-based."""
+    stat = sign_test(differences) if outcome_based else paired_t_test(differences)
+    stat["excludes_zero"] = stat["ci95"] is not None and abs(stat["mean"]) > stat["ci95"]
+    return stat
+
 
 def paired_differences(report: dict) -> list[dict]:
-    """Differences between cells paired by seed, with a 95 % interval over seeds.
+    """Differences between cells paired by seed, each tested against 0.
 
     Every cell of one seed shares its warm start and its held-out set, so the difference
-    ``x[a, seed] - x[b, seed]`` removes the spread between seeds that widens the per-cell
-    intervals. Two families of comparisons, for the final accuracy and the area under
-    the accuracy curve:
+    ``d_s = x[a, s] − x[b, s]`` removes the spread between seeds that widens the per-cell
+    intervals. Two kinds of comparisons, for the final accuracy and the area under the
+    accuracy curve:
 
     * per method, the largest N minus the smallest (does staleness hurt it?);
     * per N, the reference method minus every other one (``vespo`` when it is in the
       grid, else the last method listed).
 
-    Each entry: ``{"comparison", "measure", "mean", "std", "ci95", "n", "values",
-    "excludes_zero"}`` (values are fractions, like the accuracies; ``n``: the seeds that
-    both cells completed). ``excludes_zero`` is the sweep's rule for claiming a difference.
+    The test (``stats``): the paired t-test (Student t, n − 1 d.f.), or the exact sign
+    test when either cell is outcome-based (some of its runs collapsed: a t-interval
+    assumes a unimodal spread). Each entry: ``{"kind": "paired", "comparison", "measure",
+    "mean", "std", "ci95", "n", "values", "test", "p", "excludes_zero"}`` (values are
+    fractions; ``n``: the seeds both cells completed). ``excludes_zero`` is the unadjusted
+    95 % interval; the claim is ``holds`` (``holm_adjust``).
     """
     axis, methods, values = report["axis"], report["methods"], report["staleness"]
-    runs = {}
-    for record in report["records"]:
-        for run in record["runs"]:
-            runs[(record["method"], record[axis], run["seed"])] = run
+    runs, bimodal = _by_seed(report)
     reference = "vespo" if "vespo" in methods else methods[-1]
     pairs = []
     if len(values) > 1:
@@ -277,10 +275,140 @@ def paired_differences(report: dict) -> list[dict]:
                 a, b = runs.get((*first, seed)), runs.get((*second, seed))
                 if a and b and a[key] is not None and b[key] is not None:
                     differences.append(a[key] - b[key])
-            stat = mean_std_ci(differences)
-            excludes_zero = stat["ci95"] is not None and abs(stat["mean"]) > stat["ci95"]
-            entries.append({"comparison": comparison, "measure": key, **stat, "excludes_zero": excludes_zero})
+            outcome_based = bimodal.get(first, False) or bimodal.get(second, False)
+            entries.append(
+                {
+                    "kind": "paired",
+                    "comparison": comparison,
+                    "measure": key,
+                    **_test(differences, outcome_based),
+                }
+            )
     return entries
+
+
+def difference_in_differences(report: dict) -> list[dict]:
+    """ "Degrades least", tested: the reference method's change from the smallest N to the
+    largest minus another method's, paired by seed.
+
+    ``DiD_s = (x[ref, N_high, s] − x[ref, N_low, s]) − (x[m, N_high, s] − x[m, N_low, s])``;
+    positive: the reference loses less (or gains more). Tested like ``paired_differences``
+    (sign test when any of the four cells is outcome-based); a seed counts when all four
+    runs completed. Entries: ``{"kind": "did", "comparison", "measure", ...}``; none with
+    fewer than two N.
+    """
+    axis, methods, values = report["axis"], report["methods"], report["staleness"]
+    if len(values) < 2:
+        return []
+    runs, bimodal = _by_seed(report)
+    reference = "vespo" if "vespo" in methods else methods[-1]
+    low, high = min(values), max(values)
+    entries = []
+    for method in (m for m in methods if m != reference):
+        cells = [(reference, high), (reference, low), (method, high), (method, low)]
+        outcome_based = any(bimodal.get(cell, False) for cell in cells)
+        for key, _ in PAIRED_MEASURES:
+            differences = []
+            for seed in report["seeds"]:
+                x = [runs.get((*cell, seed)) for cell in cells]
+                if all(run and run[key] is not None for run in x):
+                    differences.append((x[0][key] - x[1][key]) - (x[2][key] - x[3][key]))
+            entries.append(
+                {
+                    "kind": "did",
+                    "comparison": f"({reference} − {method}) at {axis} = {high} − at {axis} = {low}",
+                    "measure": key,
+                    **_test(differences, outcome_based),
+                }
+            )
+    return entries
+
+
+def holm_adjust(entries: list[dict], alpha: float = ALPHA) -> list[dict]:
+    """Adds ``p_holm`` (Holm over all ``entries``: the family) and ``holds`` (``p_holm ≤ alpha``)."""
+    adjusted = holm([entry["p"] for entry in entries])
+    return [
+        {**entry, "p_holm": p, "holds": p is not None and p <= alpha}
+        for entry, p in zip(entries, adjusted, strict=True)
+    ]
+
+
+def lag_profile(sweep: Sweep, runs: dict[Cell, dict]) -> list[dict]:
+    """Per method × N: each diagnostic (``runs.DIAGNOSTICS``) against the lag within a rollout.
+
+    For every lag ℓ (0 … N − 1 in sync mode: the mini-batch's position in its rollout, i.e.
+    the learner steps since its samples were drawn), the mean of the metric over every step
+    at that lag, over all seeds run (``n``: the steps averaged). ``clip`` is ``clip/low +
+    clip/high`` (the fraction of tokens or sequences clipped either way). Entries:
+    ``{"method", axis, "metric", "lags": [ℓ], "mean": [...], "n": [...]}``; a metric that no
+    run of the cell logged is left out.
+    """
+    profiles = []
+    for staleness, spec in itertools.product(sweep.staleness, sweep.methods):
+        sums: dict[str, dict[int, list[float]]] = {}
+        for seed in sweep.seeds:
+            for lr in sweep.lrs or [None]:
+                run = runs.get(Cell(spec, staleness, seed, sweep.axis, lr))
+                for step in (run or {}).get("diagnostics", []):
+                    if step["lag"] is None:
+                        continue
+                    values = {k: step[k] for k in DIAGNOSTICS if k in step}
+                    if "loss/clip/low" in values or "loss/clip/high" in values:
+                        values["clip"] = values.get("loss/clip/low", 0.0) + values.get("loss/clip/high", 0.0)
+                    for name, value in values.items():
+                        if math.isfinite(value):
+                            sums.setdefault(name, {}).setdefault(step["lag"], []).append(value)
+        for name, by_lag in sums.items():
+            lags = sorted(by_lag)
+            profiles.append(
+                {
+                    "method": spec.label,
+                    sweep.axis: staleness,
+                    "metric": name,
+                    "lags": lags,
+                    "mean": [sum(by_lag[lag]) / len(by_lag[lag]) for lag in lags],
+                    "n": [len(by_lag[lag]) for lag in lags],
+                }
+            )
+    return profiles
+
+
+def code_versions(records: list[dict], axis: str = "N") -> dict[str, list[str]]:
+    """The code of every run: ``{code description: [cell names]}`` (one key: all the same code).
+
+    A run's code is its ``provenance`` (git commit, dirty flag, package versions); a run
+    that recorded none (older runs) is "not recorded". Two runs of a dirty tree at the
+    same commit count as the same code, which the description says.
+    """
+    groups: dict[str, list[str]] = {}
+    for record in records:
+        lr = "" if record.get("lr") is None else f" lr={record['lr']:g}"
+        for run in record["runs"]:
+            code = run.get("provenance")
+            if code is None:
+                key = "not recorded"
+            else:
+                versions = ", ".join(f"{k} {v}" for k, v in sorted(code.get("versions", {}).items()))
+                commit = code.get("git_commit") or "no git"
+                key = f"commit {commit}{' (dirty)' if code.get('git_dirty') else ''}; {versions}"
+            name = f"{record['method']} {axis}={record['staleness']}{lr} seed={run['seed']}"
+            groups.setdefault(key, []).append(name)
+    return groups
+
+
+def check_same_code(groups: dict[str, list[str]], allow_mixed_code: bool) -> None:
+    """Refuse (``ValueError``) to pair runs of different code, naming the cells of each code."""
+    if len(groups) <= 1 or allow_mixed_code:
+        return
+    lines = [
+        f"  {key}: {len(cells)} run(s): {', '.join(cells[:6])}{' ...' if len(cells) > 6 else ''}"
+        for key, cells in groups.items()
+    ]
+    raise ValueError(
+        "sweep: the runs were made by different code (a float-path change alone moves single runs by "
+        "several points), so the report will not pair them:\n" + "\n".join(lines) + "\nrerun the cells "
+        "of the older code (delete their directories), or pass --allow-mixed-code to report them anyway"
+    )
 
 
 def analyse(
@@ -288,16 +416,22 @@ def analyse(
     runs: dict[Cell, dict],
     criterion: CollapseCriterion | None = None,
     wall_seconds: float | None = None,
+    allow_mixed_code: bool = False,
 ) -> dict:
     """The report (``summary.json``) of ``sweep`` from the raw records of its cells' runs.
 
     Pure: ``runs`` maps each cell that has started to its ``runs.load_run`` record; cells
     without one count as not run. The report holds the grid, the collapse rule, one record
-    per method x N (x lr; ``collect``) and either the largest stable learning rates
-    (``--lrs``) or the paired differences between cells.
+    per method x N (x lr; ``collect``), the code of the runs (``code``; a ``ValueError``
+    when it differs, unless ``allow_mixed_code``), the diagnostics against the lag
+    (``lag_profile``) and either the largest stable learning rates (``--lrs``) or the tests:
+    the paired differences and the differences-in-differences, Holm-adjusted over all of
+    them (``HOLM_FAMILY``) at ``stats.ALPHA``.
     """
     criterion = criterion or CollapseCriterion()
     records = collect(sweep, runs, criterion)
+    groups = code_versions(records, sweep.axis)
+    check_same_code(groups, allow_mixed_code)
     run_seconds = [
         run["wall_seconds"] for record in records for run in record["runs"] if run["wall_seconds"] is not None
     ]
@@ -311,12 +445,22 @@ def analyse(
         "collapse_criterion": {**dataclasses.asdict(criterion), "rule": criterion.describe()},
         "wall_seconds": wall_seconds,
         "run_seconds_total": sum(run_seconds),
+        "code": groups,
+        "mixed_code": len(groups) > 1,
         "records": records,
+        "lag_profile": lag_profile(sweep, runs),
     }
     if sweep.lrs:
         report["lr_stability"] = lr_stability(report)
     else:
-        report["paired"] = paired_differences(report)
+        tests = holm_adjust(paired_differences(report) + difference_in_differences(report))
+        report["paired"] = [t for t in tests if t["kind"] == "paired"]
+        report["did"] = [t for t in tests if t["kind"] == "did"]
+        report["holm"] = {
+            "alpha": ALPHA,
+            "family": HOLM_FAMILY,
+            "size": sum(t["p"] is not None for t in tests),
+        }
     return report
 
 

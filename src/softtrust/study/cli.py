@@ -18,7 +18,8 @@ def add_sweep_arguments(parser) -> None:
         "resumable; quick: the first half of 4 of its runs, ~16 min; addition: the short-completion setup; "
         "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
         "on the long-completion setup, ~55 min; "
-        "vespo-ablations: the paper's VESPO ablations); flags override it.",
+        "vespo-ablations: the paper's VESPO ablations; controls, ceiling, head-to-head, async, mismatch, "
+        "mismatch-pilot: the next runs, docs/results.md); flags override it.",
     )
     parser.add_argument(
         "--methods",
@@ -55,6 +56,12 @@ def add_sweep_arguments(parser) -> None:
     )
     parser.add_argument(
         "--report-only", action="store_true", help="Only rewrite the report from the runs already there."
+    )
+    parser.add_argument(
+        "--allow-mixed-code",
+        action="store_true",
+        help="Report (and pair) runs made by different code (git commit or package versions); "
+        "by default the report refuses them, naming the cells of each code.",
     )
     parser.add_argument(
         "--no-progress", dest="sweep_progress", action="store_false", help="No progress bar for the grid."
@@ -97,7 +104,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
         axis_text = arguments.max_lag_axis
     elif arguments.max_lag_axis:
         overrides["max_lag"] = parse_int_list(arguments.max_lag_axis, "max_lag")[0]
-    jobs = arguments.jobs if arguments.jobs is not None else (os.cpu_count() or 1)
+    jobs = arguments.jobs if arguments.jobs is not None else preset.get("jobs", os.cpu_count() or 1)
     return Sweep(
         methods=split_methods(arguments.methods or preset["methods"]),
         staleness=parse_int_list(axis_text, "staleness"),
@@ -107,6 +114,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
         jobs=jobs,
         progress=arguments.sweep_progress,
         lrs=parse_lrs(arguments.lrs) if arguments.lrs else preset.get("lrs"),
+        allow_mixed_code=getattr(arguments, "allow_mixed_code", False),
     )
 
 

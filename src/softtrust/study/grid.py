@@ -14,15 +14,17 @@ AXIS_FIELDS = ("method", "method_params", "level", "staleness", "seed", "output_
 LR_AXIS_FIELD = "lr"  # a shared override unless --lrs makes it a grid axis
 
 # Method-spec keys that go to TrainConfig fields instead of the method's parameters.
-SPEC_CONFIG_KEYS = ("level", "aggregation")
+SPEC_CONFIG_KEYS = ("level", "aggregation", "correction")
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     """One column of the study: a registry name plus parameters, e.g. ``vespo[k_neg=2,lambda_neg=3]``.
 
-    ``level`` and ``aggregation`` in the brackets set those loss axes (``vespo[level=sequence-mean]``
-    is the paper's length-normalisation ablation); every other key is a method parameter.
+    ``level``, ``aggregation`` and ``correction`` in the brackets set those loss axes
+    (``vespo[level=sequence-mean]`` is the paper's length-normalisation ablation,
+    ``clip[correction=tis]`` adds truncated importance sampling; a correction with one
+    parameter at most, since commas separate keys); every other key is a method parameter.
     """
 
     label: str
@@ -143,6 +145,7 @@ class Sweep:
     jobs: int = 1
     progress: bool = True
     lrs: list[float] | None = None  # the learning-rate axis (None: lr is a shared setting)
+    allow_mixed_code: bool = False  # report runs made by different code (commit / versions) anyway
 
     @property
     def mode(self) -> str:

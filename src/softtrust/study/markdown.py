@@ -7,28 +7,145 @@ import math
 from .analysis import PAIRED_MEASURES, at_lr
 
 
-def _paired_table(report: dict) -> list[str]:
-    """The paired differences as a table (points), bold where the interval excludes 0."""
-    entries = report.get("paired") or []
+def _format_p(p: float | None) -> str:
+    return "—" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _tests_table(report: dict, key: str, title: str) -> list[str]:
+    """One row per comparison x measure: mean ± 95 % CI (points), the test, p, Holm-adjusted p;
+    bold where the claim holds after Holm."""
+    entries = report.get(key) or []
     if len(report["seeds"]) < 2 or not entries:
         return []
-    by_comparison: dict[str, dict] = {}
-    for entry in entries:
-        by_comparison.setdefault(entry["comparison"], {})[entry["measure"]] = entry
+    titles = dict(PAIRED_MEASURES)
     lines = [
-        "## Paired differences (points; mean ± 95 % CI over seeds; bold: the interval excludes 0)",
+        f"## {title}",
         "",
-        "| comparison | " + " | ".join(title for _, title in PAIRED_MEASURES) + " |",
-        "| --- | " + " | ".join("---" for _ in PAIRED_MEASURES) + " |",
+        "| comparison | measure | mean ± 95 % CI (points) | seeds + / − | test | p | p (Holm) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for comparison, measures in by_comparison.items():
-        cells = []
-        for key, _ in PAIRED_MEASURES:
-            entry = measures[key]
-            text = format_stat(entry, len(report["seeds"]))
-            cells.append(f"**{text}**" if entry["excludes_zero"] else text)
-        lines.append(f"| {comparison} | " + " | ".join(cells) + " |")
+    for entry in entries:
+        text = format_stat(entry, len(report["seeds"]))
+        signs = f"{sum(v > 0 for v in entry['values'])} / {sum(v < 0 for v in entry['values'])}"
+        holds = entry.get("holds")
+        lines.append(
+            f"| {entry['comparison']} | {titles[entry['measure']]} | {f'**{text}**' if holds else text} | "
+            f"{signs} | {'paired t' if entry['test'] == 't' else 'sign (exact)'} | {_format_p(entry['p'])} | "
+            f"{'**' + _format_p(entry.get('p_holm')) + '**' if holds else _format_p(entry.get('p_holm'))} |"
+        )
     return [*lines, ""]
+
+
+def _tests_section(report: dict) -> list[str]:
+    """The paired differences and the differences-in-differences, with the Holm adjustment."""
+    if "holm" not in report or len(report["seeds"]) < 2:
+        return []
+    holm = report["holm"]
+    lines = [
+        "## Tests (paired by seed, Holm-adjusted)",
+        "",
+        f"Family for the Holm adjustment: {holm['family']} ({holm['size']} tests), family-wise "
+        f"α = {holm['alpha']:g}. **Bold**: the claim holds after the adjustment. The test is the paired "
+        "t-test, or the exact sign test where a cell involved has collapsed runs (outcome-based: the spread "
+        "is bimodal; with 5 seeds its smallest p is 0.0625, so such a comparison cannot hold).",
+        "",
+    ]
+    lines += _tests_table(report, "paired", "Paired differences")
+    lines += _tests_table(
+        report,
+        "did",
+        'Difference-in-differences ("degrades least": the reference\'s change from the smallest to the '
+        "largest N minus the other method's; positive: the reference loses less)",
+    )
+    return lines
+
+
+def _outcome_table(report: dict) -> list[str]:
+    """Cells with collapsed runs, by outcome (collapsed / not) instead of a t-interval."""
+    axis = report["axis"]
+    rows = [r for r in report["records"] if r.get("outcome_based")]
+    if not rows:
+        return []
+    lines = [
+        "## Outcome-based cells (some runs collapsed: the spread is bimodal, a t-interval does not describe it)",
+        "",
+        "| method | "
+        + axis
+        + " | collapsed | not collapsed | final accuracy per seed (collapsed marked ×) | "
+        "final of the runs that did not collapse |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for record in rows:
+        outcomes = record["outcomes"]
+        per_seed = ", ".join(
+            f"{run['seed']}: "
+            + ("—" if run["final_accuracy"] is None else f"{100 * run['final_accuracy']:.1f}")
+            + (" ×" if run["collapsed"] else "")
+            for run in record["runs"]
+        )
+        lines.append(
+            f"| {record['method']} | {record[axis]} | {outcomes['collapsed']} | {outcomes['not_collapsed']} | "
+            f"{per_seed} | {format_stat(outcomes['final_not_collapsed'])} |"
+        )
+    return [*lines, ""]
+
+
+LAG_METRICS = (
+    ("loss/phi/mean", "φ"),
+    ("loss/ess", "ESS"),
+    ("clip", "clipped"),
+    ("kl_behaviour", "KL(behaviour ‖ current)"),
+)
+
+
+def _lag_table(report: dict) -> list[str]:
+    """Per method at the largest N: each diagnostic at a few lags within a rollout."""
+    axis = report["axis"]
+    profiles = report.get("lag_profile") or []
+    if not profiles:
+        return []
+    high = max(report["staleness"])
+    at_high = {(p["method"], p["metric"]): p for p in profiles if p[axis] == high}
+    lags = sorted({lag for p in at_high.values() for lag in p["lags"]})
+    if not lags:
+        return []
+    shown = sorted(
+        {lags[0], lags[len(lags) // 4], lags[len(lags) // 2], lags[(3 * len(lags)) // 4], lags[-1]}
+    )
+    lines = [
+        f"## Diagnostics against the lag ({axis} = {high}; mean over steps and seeds)",
+        "",
+        "The lag: learner steps since the mini-batch's samples were drawn (`lag` in `metrics.jsonl`; "
+        "sync: the mini-batch's position within its rollout; async: the lag observed). "
+        f"`lag.png` draws every lag and {axis}.",
+        "",
+        "| method | diagnostic | " + " | ".join(f"lag {lag}" for lag in shown) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in shown) + " |",
+    ]
+    for method in report["methods"]:
+        for metric, title in LAG_METRICS:
+            profile = at_high.get((method, metric))
+            if profile is None:
+                continue
+            by_lag = dict(zip(profile["lags"], profile["mean"], strict=True))
+            cells = ["—" if lag not in by_lag else f"{by_lag[lag]:.3g}" for lag in shown]
+            lines.append(f"| {method} | {title} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _code_lines(report: dict) -> list[str]:
+    groups = report.get("code") or {}
+    if len(groups) == 1:
+        return [f"Code of every run: {next(iter(groups))}.", ""]
+    if not groups:
+        return []
+    return [
+        "**Mixed code (reported with --allow-mixed-code): the runs were made by different code, and "
+        "pairing them mixes float paths with the effects compared.**",
+        "",
+        *[f"- {key}: {len(cells)} run(s)" for key, cells in groups.items()],
+        "",
+    ]
 
 
 def format_stat(stat: dict, seeds: int | None = None) -> str:
@@ -54,7 +171,10 @@ def markdown_table(report: dict) -> str:
         if lr is not None:
             lines += [f"## Learning rate {lr:g}", ""]
         lines += _measure_tables(at_lr(report, lr), heading="###" if lr is not None else "##")
-    lines += _paired_table(report)
+    lines += _outcome_table(report)
+    lines += _tests_section(report)
+    lines += _lag_table(report)
+    lines += _code_lines(report)
     warm_starts = {}
     for record in report["records"]:
         for run in record["runs"]:

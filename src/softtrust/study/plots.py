@@ -124,3 +124,95 @@ def plot_lr_stability(report: dict, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=80)
     plt.close(figure)
+
+
+def plot_paired(report: dict, path: Path) -> None:
+    """The paired tests, final accuracy: each comparison's per-seed differences (dots), their mean
+    and 95 % interval (bar); filled where the claim holds after Holm. Points, 0 marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [
+        e
+        for e in report.get("paired", []) + report.get("did", [])
+        if e["measure"] == "final_accuracy" and e["n"]
+    ]
+    if not entries:
+        return
+    figure, axis = plt.subplots(figsize=(7, 0.42 * len(entries) + 1.2))
+    for row, entry in enumerate(entries):
+        y = len(entries) - 1 - row
+        axis.scatter(
+            [100 * v for v in entry["values"]], [y] * len(entry["values"]), s=14, color="gray", zorder=2
+        )
+        color = "C3" if entry["kind"] == "did" else "C0"
+        error = 0.0 if entry["ci95"] is None else 100 * entry["ci95"]
+        axis.errorbar(
+            100 * entry["mean"],
+            y,
+            xerr=error,
+            fmt="o",
+            markerfacecolor=color if entry.get("holds") else "white",
+            color=color,
+            capsize=3,
+            zorder=3,
+        )
+    axis.axvline(0, color="black", linewidth=0.8)
+    axis.set_yticks(range(len(entries)))
+    axis.set_yticklabels(
+        [e["comparison"] + (" (sign test)" if e["test"] == "sign" else "") for e in reversed(entries)],
+        fontsize=7,
+    )
+    axis.set_xlabel("paired difference, final accuracy (points); filled: holds (Holm)")
+    axis.grid(alpha=0.3, axis="x")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def plot_lag(report: dict, path: Path) -> None:
+    """φ, ESS, clipped fraction and KL to the behaviour policy against the lag within a rollout:
+    one panel per diagnostic, one line per method x N (mean over steps and seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .markdown import LAG_METRICS
+
+    profiles = report.get("lag_profile") or []
+    metrics = [(key, title) for key, title in LAG_METRICS if any(p["metric"] == key for p in profiles)]
+    if not metrics:
+        return
+    axis_name = report["axis"]
+    figure, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics) + 1, 3.4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", ":", "-."]
+    values = sorted(report["staleness"])
+    for column, (key, title) in enumerate(metrics):
+        axis = axes[0][column]
+        for index, method in enumerate(report["methods"]):
+            for position, value in enumerate(values):
+                profile = next(
+                    (p for p in profiles if (p["method"], p[axis_name], p["metric"]) == (method, value, key)),
+                    None,
+                )
+                if profile is None:
+                    continue
+                axis.plot(
+                    profile["lags"],
+                    profile["mean"],
+                    styles[position % len(styles)],
+                    color=colors[index % len(colors)],
+                    label=f"{method} {axis_name}={value}",
+                )
+        axis.set_title(title)
+        axis.set_xlabel("lag (learner steps since sampling)")
+        axis.grid(alpha=0.3)
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)

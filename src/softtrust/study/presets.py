@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # The first setup (short completions): 3-digit addition (`aaa+bbb=` -> 4 digits + eos), the
-# embedded ~0.9 M-parameter Qwen2, G = 8, m = 32, AdamW 3e-4 (the trainer's defaults), 128
+# embedded 801,280-parameter Qwen2, G = 8, m = 32, AdamW 3e-4 (the trainer's defaults), 128
 # optimizer steps for every N, and a warm start of 620 supervised steps, which puts seed 0 at
 # 22 % held-out accuracy (the supervised curve is steep there: 550 steps give 7 %, 680 give 45 %).
 # 256 held-out problems (standard error of one evaluation at most 0.031). Kept as
@@ -83,5 +83,63 @@ PRESETS = {
         "staleness": "4,16,64",
         "seeds": "3",
         "overrides": STUDY_SETUP,
+    },
+    # ---- issue 24's runs: every cell records its code (summary.json "provenance"), so they are
+    # not paired with the old runs above. Wall times are estimates from the full study's
+    # measured 6.7 min a cell with --jobs 2 (9-14.5 min alone on one core); measure and state
+    # the real figures. Run each in its own directory (docs/results.md, "What the next runs are").
+    # The headline and its controls: clip, VESPO, REINFORCE (no trust region, no weight: the
+    # control for "a trust region helps") and clip with the paper's eps_high = 0.28 (DAPO's, the
+    # paper's GRPO baseline), N = 4 and 64, 5 seeds. 40 cells, ~4.5 h on 2 cores.
+    "controls": {
+        "methods": "clip,vespo,reinforce,clip[eps_high=0.28]",
+        "staleness": "4,64",
+        "seeds": "5",
+        "overrides": STUDY_SETUP,
+    },
+    # The on-policy ceiling: N = 1, where every method is the same algorithm (ratio 1, phi 1;
+    # tests/test_sweep.py), so one cell per seed serves every method. 5 cells, ~35 min.
+    "ceiling": {
+        "methods": "clip",
+        "staleness": "1",
+        "seeds": "5",
+        "overrides": STUDY_SETUP,
+    },
+    # The head-to-head: M2PO and DPPO, which claim staleness robustness of their own, against
+    # the same clip and VESPO cells (run it in the controls' directory: those cells are skipped).
+    # 20 new cells, ~2.2 h; --staleness 4,64,256 adds N = 256 for the four (~+2.5 h).
+    "head-to-head": {
+        "methods": "clip,vespo,m2po,dppo",
+        "staleness": "4,64",
+        "seeds": "5",
+        "overrides": STUDY_SETUP,
+    },
+    # Asynchronous training: the concurrent rollout worker lagging by at most K in {1, 16},
+    # one cell at a time (jobs 1: the worker's thread and the learner share the two cores, and
+    # throughput must not be confounded by a second cell). 18 cells, ~3 h (estimate).
+    "async": {
+        "methods": "clip,vespo,m2po",
+        "staleness": "1,16",
+        "seeds": "3",
+        "jobs": 1,
+        "overrides": {**STUDY_SETUP, "mode": "async"},
+    },
+    # Train/inference mismatch alone: on-policy (N = 1), rollouts scored under bf16 autocast,
+    # the learner in fp32. No correction / token TIS (cap 2) / VESPO with TIS folded into W /
+    # sequence-level masking (MIS, [0.5, 2]: the rejection variant). 12 cells, ~1.3 h.
+    "mismatch": {
+        "methods": "clip,clip[correction=tis],vespo[correction=tis],clip[correction=mis]",
+        "staleness": "1",
+        "seeds": "3",
+        "overrides": {**STUDY_SETUP, "mismatch": "bf16"},
+    },
+    # The mismatch pilot: how far bf16 scoring moves the behaviour log-probs, read from the
+    # correction's weights (loss/is_weight/{mean,min,max} in metrics.jsonl; a cap of 1e6
+    # leaves rho untruncated). One seed, 32 steps: ~5 min.
+    "mismatch-pilot": {
+        "methods": "clip[correction=tis:cap=1000000]",
+        "staleness": "1",
+        "seeds": "0,",
+        "overrides": {**STUDY_SETUP, "mismatch": "bf16", "max_steps": 32},
     },
 }

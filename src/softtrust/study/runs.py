@@ -13,14 +13,44 @@ from .grid import Cell, Sweep
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED = 3  # the trainer stopped itself (too many non-finite updates): a collapse, not a crash
 
+# The per-step diagnostics the lag view reads from ``metrics.jsonl`` (absent ones are skipped):
+# the loss's metrics (``loss/<name>``, see ``softtrust.metrics``) and the learner's KL to the
+# behaviour policy. ``lag``: learner step minus the version of the weights that sampled the rows.
+DIAGNOSTICS = (
+    "loss/phi/mean",
+    "loss/ess",
+    "loss/clip/low",
+    "loss/clip/high",
+    "loss/ratio/mean",
+    "loss/seq_log_weight/mean",
+    "loss/is_weight/mean",  # the behaviour correction's weight (train/inference mismatch)
+    "kl_behaviour",
+)
 
-def load_run(directory: Path) -> dict | None:
+
+def step_lag(record: dict, staleness: int | None) -> int | None:
+    """The lag of one ``metrics.jsonl`` line: its ``lag``; else its position in the rollout
+    (``rollout/minibatch``); else, in sync mode, ``(step − 1) mod N`` (step s ≥ 1 trains on
+    mini-batch ``(s − 1) mod N`` of a rollout sampled by the weights of step ``s − 1 − that``)."""
+    if "lag" in record:
+        return int(record["lag"])
+    if "rollout/minibatch" in record:
+        return int(record["rollout/minibatch"])
+    if staleness:
+        return (int(record["step"]) - 1) % staleness
+    return None
+
+
+def load_run(directory: Path, staleness: int | None = None) -> dict | None:
     """The raw record of one run directory (None if it never logged anything).
 
-    ``{"run_dir", "summary", "returncode", "rewards", "accuracies", "nonfinite_steps"}``:
-    the summary (None until the run finished), the cell process's exit code (from
-    ``sweep-cell.json``; None if not recorded), the per-step rewards and the held-out
-    accuracies as ``[(step, value)]``, and the steps whose update was skipped as non-finite.
+    ``{"run_dir", "summary", "returncode", "rewards", "accuracies", "nonfinite_steps",
+    "diagnostics", "provenance"}``: the summary (None until the run finished), the cell
+    process's exit code (from ``sweep-cell.json``; None if not recorded), the per-step
+    rewards and the held-out accuracies as ``[(step, value)]``, the steps whose update was
+    skipped as non-finite, one ``{"step", "lag", <DIAGNOSTICS>}`` per step (``step_lag``;
+    ``staleness``: the sync N, to derive the lag of runs that did not log it), and the code
+    that made the run (``summary["provenance"]``, ``softtrust._provenance``; None if not recorded).
     """
     directory = Path(directory)
     metrics = read_jsonl(directory / "metrics.jsonl")
@@ -42,6 +72,15 @@ def load_run(directory: Path) -> dict | None:
         "rewards": [(int(r["step"]), float(r["reward/mean"])) for r in metrics],
         "accuracies": sorted(evaluations.items()),
         "nonfinite_steps": [int(r["step"]) for r in metrics if r.get("skipped")],
+        "diagnostics": [
+            {
+                "step": int(r["step"]),
+                "lag": step_lag(r, staleness),
+                **{k: float(r[k]) for k in DIAGNOSTICS if isinstance(r.get(k), (int, float))},
+            }
+            for r in metrics
+        ],
+        "provenance": (summary or {}).get("provenance"),
     }
 
 
@@ -49,7 +88,7 @@ def load_runs(sweep: Sweep) -> dict[Cell, dict]:
     """The raw record of every cell of ``sweep`` that has started."""
     runs = {}
     for cell in sweep.cells():
-        run = load_run(cell.directory(sweep.output_dir))
+        run = load_run(cell.directory(sweep.output_dir), cell.staleness if sweep.mode == "sync" else None)
         if run is not None:
             runs[cell] = run
     return runs

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from softtrust._provenance import provenance
 from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
 
 from .config import TrainConfig
@@ -208,6 +209,7 @@ class RunLog:
             "completion_tokens": state.completion_tokens,
             "device": str(next(model.parameters()).device),  # where the learner ran
             "final_dir": str(final),
+            "provenance": provenance(),  # the code that made it: the study pairs runs only of the same code
         }
         if not self.writes:
             return summary
