@@ -133,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--steps", type=int, default=5, help="steps per on-policy run (N=4 runs take 2 N + 1)"
-    )
+    parser.add_argument("--steps", type=int, default=5, help="steps per on-policy run")
+    parser.add_argument("--cycles", type=int, default=2, help="whole N-step cycles timed per N > 1 run")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 4])

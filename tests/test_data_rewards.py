@@ -369,3 +369,33 @@ def test_shared_prompt_prefill_samples_what_a_prefill_per_row_does(micro_model_d
     assert torch.equal(per_row[0], shared[0]) and torch.equal(per_row[1], shared[1])
     torch.testing.assert_close(per_row[2], shared[2], rtol=1e-5, atol=1e-5)
     assert len(set(map(tuple, per_row[0].tolist()))) > 3  # the rows of a group differ
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(3, None), (None, 0.5)])
+def test_truncated_sampling_is_scored_by_the_learner_as_sampled(micro_model_dir, top_k, top_p):
+    from transformers import AutoModelForCausalLM
+
+    from softtrust.train.rollout import generate_rollout, group_uniforms, sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
+    tokenizer = build_char_tokenizer()
+    problems = [Problem(f"{i}+{i}=", "0") for i in range(3)]
+    batch = generate_rollout(
+        model,
+        tokenizer,
+        problems,
+        RewardScorer(type("T", (), {"reward": staticmethod(lambda c, a: 0.0)})()),
+        group_size=4,
+        max_new_tokens=4,
+        temperature=1.0,
+        uniforms=group_uniforms(0, 0, [0, 1, 2], 4, 4),
+        top_k=top_k,
+        top_p=top_p,
+    )
+    mask = batch.completion_mask.bool()
+    args = (batch.input_ids, batch.attention_mask, batch.completion_length, 1.0)
+    truncated = sequence_logprobs(model, *args, top_k=top_k, top_p=top_p)
+    full = sequence_logprobs(model, *args)
+    # the learner scores the truncated policy the sampler drew from: on-policy ratio 1
+    assert float((truncated - batch.rollout_logprobs)[mask].abs().max()) < 1e-4
+    assert float((full - batch.rollout_logprobs)[mask].abs().max()) > 1e-2  # the full softmax would not

@@ -193,6 +193,19 @@ class TrainConfig:
     temperature: float = _field(
         1.0, "Sampling temperature (the learner scales logits by it too).", low=0, low_open=True
     )
+    top_k: int | None = _field(
+        None,
+        "Sample from the k most likely tokens only; the learner scores the same truncated policy.",
+        low=1,
+    )
+    top_p: float | None = _field(
+        None,
+        "Sample from the smallest set of tokens holding probability >= p (nucleus); the learner "
+        "scores the same truncated policy.",
+        low=0,
+        low_open=True,
+        high=1,
+    )
     # --- optimisation
     lr: float = _field(3e-4, "AdamW learning rate.", low=0, low_open=True)
     weight_decay: float = _field(0.0, "AdamW weight decay.", low=0)

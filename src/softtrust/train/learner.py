@@ -80,6 +80,7 @@ def policy_update(
     old_all = None if minibatch.old_logprobs is None else minibatch.old_logprobs.to(device)
     rollout_all = None if minibatch.rollout_logprobs is None else minibatch.rollout_logprobs.to(device)
     width, temperature = batch.completion_length, config.temperature
+    truncation = (config.top_k, config.top_p)  # the learner scores the sampler's truncated policy
     if config.gradient_checkpointing:
         checkpoint_layers(policy)
     # --micro-batch-size: forward/backward in pieces of rows, gradients accumulated
@@ -94,7 +95,10 @@ def policy_update(
     if len(pieces) > 1 and getattr(loss_fn, "_has_batch_state", False):
         with torch.no_grad():  # the method's batch-wide quantities over the whole mini-batch
             current = torch.cat(
-                [policy_logprobs(policy, input_ids[p], attention_mask[p], width, temperature) for p in pieces]
+                [
+                    policy_logprobs(policy, input_ids[p], attention_mask[p], width, temperature, *truncation)
+                    for p in pieces
+                ]
             )
             loss_state = {
                 "state": loss_fn.batch_state(
@@ -110,7 +114,7 @@ def policy_update(
     total_loss, finite, detached, piece_metrics = 0.0, True, [], []
     for index, rows in enumerate(pieces):
         logprobs = policy_logprobs(
-            policy, input_ids[rows], attention_mask[rows], width, temperature
+            policy, input_ids[rows], attention_mask[rows], width, temperature, *truncation
         )  # [b, T]
         ref_logprobs = None
         if reference is not None:

@@ -29,7 +29,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .tasks import exact_reward, numeric_reward
+import torch
+
+from .tasks import Problem, exact_reward, numeric_reward
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -240,8 +242,59 @@ class RewardSet:
 
     def single(self, completion: str, answer: str) -> float:
         """The correctness reward of one completion, for a per-sample reward (the ``Task`` protocol)."""
-        from .tasks import Problem
-
         reward = self.rewards[self.correctness]
         value = reward([Problem("", answer)], [completion], [[]])[0]
         return 0.0 if value is None else value
+
+
+class RewardScorer:
+    """Scores completions with a task's rewards (``rewards.RewardSet``), the same way in RL and in
+    evaluation: a reward function that raises or returns an invalid value (a bool, a string, a
+    tensor, inf, NaN) scores 0 for the completions it was called on, which are counted in
+    ``failures``; with ``strict=True`` the exception (``TypeError`` for an invalid value) propagates."""
+
+    def __init__(self, task, strict: bool = False):
+        self.rewards = RewardSet.of_task(task)
+        self.strict = strict
+        self.failures = 0
+
+    def score(
+        self,
+        problems: Sequence[Problem],
+        completions: Sequence[str],
+        completion_ids: Sequence[list] | None = None,
+    ) -> tuple[torch.Tensor, list[bool], dict[str, list]]:
+        """``(total [B] float32, correct [B], {reward name: [B] values or None})``.
+
+        ``total = Σ_k w_k r_k`` over the values that are not ``None``; ``correct``: the
+        correctness reward is not ``None`` and ``>= 1``.
+        """
+        completion_ids = completion_ids if completion_ids is not None else [[] for _ in completions]
+        parts = {}
+        for reward in self.rewards.rewards:
+            calls = (
+                [slice(0, len(problems))]
+                if reward.batched
+                else [slice(i, i + 1) for i in range(len(problems))]
+            )
+            values = []
+            for rows in calls:
+                try:
+                    values += reward(problems[rows], completions[rows], completion_ids[rows])
+                except Exception:
+                    if self.strict:
+                        raise
+                    self.failures += len(problems[rows])
+                    values += [0.0] * len(problems[rows])
+            parts[reward.name] = values
+        total = [
+            sum(r.weight * parts[r.name][i] for r in self.rewards.rewards if parts[r.name][i] is not None)
+            for i in range(len(problems))
+        ]
+        deciding = parts[self.rewards.rewards[self.rewards.correctness].name]
+        correct = [value is not None and value >= 1.0 for value in deciding]
+        return torch.tensor(total, dtype=torch.float32), correct, parts
+
+    def __call__(self, completion: str, answer: str) -> float:
+        """The total reward of one completion of a plain problem."""
+        return float(self.score([Problem("", answer)], [completion])[0][0])

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from softtrust.logprobs import completion_logprobs
+from softtrust.truncation import sample_truncated, truncated_log_softmax, truncates
 
+from .rewards import RewardScorer
 from .tasks import Problem
 
 
@@ -223,6 +225,8 @@ def sample_completions(
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
     group_size: int = 1,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample (or, at ``temperature == 0``, greedily decode) completions with a KV cache.
 
@@ -242,6 +246,8 @@ def sample_completions(
             has (FSDP2: all ranks must run the same number of forwards); default: this one.
         group_size: rows come in groups of this many copies of one prompt (a rollout's G):
             the prompt is prefilled once per group (checked; otherwise every row is prefilled).
+        top_k, top_p: sample from the truncated policy (``softtrust.truncation``); the
+            recorded log-probs are its renormalised ones, as the learner scores them.
 
     Returns:
         ``completion_ids [B, T]`` (pad after EOS), ``completion_mask [B, T]`` (up to and
@@ -286,7 +292,16 @@ def sample_completions(
         if prefill_shared:
             cache.batch_repeat_interleave(group_size)
             logits = logits.repeat_interleave(group_size, 0)
-        if temperature > 0:
+        if temperature > 0 and truncates(top_k, top_p, logits.shape[-1]):
+            log_probs = truncated_log_softmax(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            token, _ = sample_truncated(
+                logits,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                uniform=uniforms[:, position].to(device),
+            )
+        elif temperature > 0:
             log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
             token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
         else:
@@ -370,11 +385,14 @@ def sequence_logprobs(
     attention_mask: torch.Tensor,
     completion_length: int,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """The learner's log-probs of the last ``completion_length`` tokens, ``[B, T]`` float32.
 
     Position ``t`` predicts token ``t + 1``; logits are divided by ``temperature`` as in
-    sampling; masked completion positions hold 0. ``softtrust.logprobs.completion_logprobs``
+    sampling, and with ``top_k``/``top_p`` the truncated policy the sampler draws from is
+    scored (``softtrust.truncation``); masked completion positions hold 0. ``softtrust.logprobs.completion_logprobs``
     does the work without building the ``[B, T, V]`` logits.
     """
     completion_mask = attention_mask[:, -completion_length:]  # [B, T]
@@ -385,62 +403,9 @@ def sequence_logprobs(
         completion_length,
         completion_mask=completion_mask,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
     )
-
-
-class RewardScorer:
-    """Scores completions with a task's rewards (``rewards.RewardSet``), the same way in RL and in
-    evaluation: a reward function that raises or returns an invalid value (a bool, a string, a
-    tensor, inf, NaN) scores 0 for the completions it was called on, which are counted in
-    ``failures``; with ``strict=True`` the exception (``TypeError`` for an invalid value) propagates."""
-
-    def __init__(self, task, strict: bool = False):
-        from .rewards import RewardSet
-
-        self.rewards = RewardSet.of_task(task)
-        self.strict = strict
-        self.failures = 0
-
-    def score(
-        self,
-        problems: Sequence[Problem],
-        completions: Sequence[str],
-        completion_ids: Sequence[list] | None = None,
-    ) -> tuple[torch.Tensor, list[bool], dict[str, list]]:
-        """``(total [B] float32, correct [B], {reward name: [B] values or None})``.
-
-        ``total = Σ_k w_k r_k`` over the values that are not ``None``; ``correct``: the
-        correctness reward is not ``None`` and ``>= 1``.
-        """
-        completion_ids = completion_ids if completion_ids is not None else [[] for _ in completions]
-        parts = {}
-        for reward in self.rewards.rewards:
-            calls = (
-                [slice(0, len(problems))]
-                if reward.batched
-                else [slice(i, i + 1) for i in range(len(problems))]
-            )
-            values = []
-            for rows in calls:
-                try:
-                    values += reward(problems[rows], completions[rows], completion_ids[rows])
-                except Exception:
-                    if self.strict:
-                        raise
-                    self.failures += len(problems[rows])
-                    values += [0.0] * len(problems[rows])
-            parts[reward.name] = values
-        total = [
-            sum(r.weight * parts[r.name][i] for r in self.rewards.rewards if parts[r.name][i] is not None)
-            for i in range(len(problems))
-        ]
-        deciding = parts[self.rewards.rewards[self.rewards.correctness].name]
-        correct = [value is not None and value >= 1.0 for value in deciding]
-        return torch.tensor(total, dtype=torch.float32), correct, parts
-
-    def __call__(self, completion: str, answer: str) -> float:
-        """The total reward of one completion of a plain problem."""
-        return float(self.score([Problem("", answer)], [completion])[0][0])
 
 
 class ProblemSampler:
@@ -486,6 +451,8 @@ def generate_rollout(
     dtype: torch.dtype | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> RolloutBatch:
     """G sampled completions per problem (consecutive rows), scored by ``scorer``.
 
@@ -507,6 +474,8 @@ def generate_rollout(
         uniforms=uniforms,
         all_finished=all_finished,
         group_size=group_size,
+        top_k=top_k,
+        top_p=top_p,
     )
     model.train(was_training)
     completions = decode_completions(tokenizer, completion_ids, completion_mask)

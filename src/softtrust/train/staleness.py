@@ -201,7 +201,9 @@ def check_kind(source: RolloutSource, state: dict) -> None:
 
 
 @torch.no_grad()
-def behaviour_logprobs(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+def behaviour_logprobs(
+    model, batch: RolloutBatch, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """The learner's own log-probs of the sampled tokens (same code, same mode, no grad).
 
     ``model`` is a causal LM, or under FSDP2 the sharded ``distributed.PolicyForward``
@@ -211,10 +213,17 @@ def behaviour_logprobs(model, batch: RolloutBatch, temperature: float) -> torch.
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     if getattr(model, "wraps_causal_lm", False):
         logprobs = model(
-            input_ids, attention_mask, completion_length=batch.completion_length, temperature=temperature
+            input_ids,
+            attention_mask,
+            completion_length=batch.completion_length,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
         )
     else:
-        logprobs = sequence_logprobs(model, input_ids, attention_mask, batch.completion_length, temperature)
+        logprobs = sequence_logprobs(
+            model, input_ids, attention_mask, batch.completion_length, temperature, top_k, top_p
+        )
     return logprobs.cpu()
 
 
@@ -233,6 +242,8 @@ class SyncRollouts:
         temperature: float,
         keep_rollout_logprobs: bool,
         world=None,
+        top_k: int | None = None,
+        top_p: float | None = None,
     ):
         self.generate = generate
         self.staleness = staleness
@@ -242,6 +253,7 @@ class SyncRollouts:
         self.rows_per_step = prompts_per_step * group_size  # global rows per mini-batch
         self.local_rows_per_step = self.rows_per_step // self.world_size
         self.temperature = temperature
+        self.top_k, self.top_p = top_k, top_p  # the truncated policy the learner scores
         self.keep_rollout_logprobs = keep_rollout_logprobs
         self.pending: list[MiniBatch] = []
         self.rollouts = 0  # rollouts generated so far (= behaviour log-prob passes)
@@ -262,7 +274,9 @@ class SyncRollouts:
         if self.staleness > 1:
             old = torch.cat(
                 [
-                    behaviour_logprobs(model, batch.rows(*self._local_rows(k)), self.temperature)
+                    behaviour_logprobs(
+                        model, batch.rows(*self._local_rows(k)), self.temperature, self.top_k, self.top_p
+                    )
                     for k in range(self.staleness)
                 ]
             )

@@ -380,6 +380,8 @@ def build_rollout_source(
                 config.seed, rollout_index, groups, config.group_size, config.max_new_tokens
             ),
             all_finished=world.all_true if world.fsdp else None,
+            top_k=config.top_k,
+            top_p=config.top_p,
         )
 
     if config.mode == "sync":
@@ -391,6 +393,8 @@ def build_rollout_source(
             temperature=config.temperature,
             keep_rollout_logprobs=dtype is not None or config.correction is not None,
             world=world,
+            top_k=config.top_k,
+            top_p=config.top_p,
         )
     if config.lag_schedule:
         return LaggedRollouts(
