@@ -394,8 +394,9 @@ def test_truncated_sampling_is_scored_by_the_learner_as_sampled(micro_model_dir,
     )
     mask = batch.completion_mask.bool()
     args = (batch.input_ids, batch.attention_mask, batch.completion_length, 1.0)
-    truncated = sequence_logprobs(model, *args, top_k=top_k, top_p=top_p)
-    full = sequence_logprobs(model, *args)
+    with torch.no_grad():
+        truncated = sequence_logprobs(model, *args, top_k=top_k, top_p=top_p)
+        full = sequence_logprobs(model, *args)
     # the learner scores the truncated policy the sampler drew from: on-policy ratio 1
     assert float((truncated - batch.rollout_logprobs)[mask].abs().max()) < 1e-4
     assert float((full - batch.rollout_logprobs)[mask].abs().max()) > 1e-2  # the full softmax would not
