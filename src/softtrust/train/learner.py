@@ -45,7 +45,14 @@ class Learner:
 
 def build_optimizer(model, config: TrainConfig):
     """AdamW with a linear warm-up of ``warmup_steps`` (then constant)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    parameters = list(model.parameters())
+    # one process: the fused kernel (one pass over each tensor), 5x faster than foreach on CPU
+    # for a 135M model; under torchrun the default (its rounding differs slightly from
+    # fused, and the data-parallel tests hold ranks to one process's numbers at 1e-6)
+    fused = not torch.distributed.is_initialized() and all(type(p.data) is torch.Tensor for p in parameters)
+    optimizer = torch.optim.AdamW(
+        parameters, lr=config.lr, weight_decay=config.weight_decay, **({"fused": True} if fused else {})
+    )
     warmup = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
