@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     e2e_table = bench_e2e.main(quick)
     logprobs_file = DOCS / "benchmarks_logprobs.md"
     gpu_file = DOCS / "benchmarks_gpu.md"  # written on a CUDA machine by bench_gpu.py --output
+    trainer_file = DOCS / "benchmarks_trainer.md"  # bench_trainer.py's reading (slow: run on its own)
     if not args.skip_logprobs:
         subprocess.run([sys.executable, str(HERE / "bench_logprobs.py"), *quick], check=True)
     text = f"""# Benchmarks
@@ -110,6 +111,9 @@ in turn.
 
 {e2e_table}
 
+## softtrust train against TRL's GRPOTrainer on SmolLM2-135M-Instruct (CPU)
+
+{trainer_file.read_text() if trainer_file.exists() else "(run `python benchmarks/bench_trainer.py`)"}
 ## Token log-probs
 
 {logprobs_file.read_text() if logprobs_file.exists() else "(run `python benchmarks/bench_logprobs.py`)"}

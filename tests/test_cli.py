@@ -253,7 +253,8 @@ def test_a_bad_config_file_is_an_error_line_not_a_traceback(content, message, tm
     [
         ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string"),
         ('{"prompt": null, "answer": "1"}', "'prompt' must be a non-empty string"),
-        ('{"prompt": ["1+1="], "answer": "2"}', "'prompt' must be a non-empty string"),
+        ('{"prompt": ["1+1="], "answer": "2"}', "'prompt' message 0 must be an object with string 'role'"),
+        ('{"prompt": [], "answer": "2"}', "'prompt' must be a non-empty string or a non-empty list"),
         ('{"prompt": "1+1=", "answer": null}', "'answer' must be a string or a finite number"),
         ('{"prompt": "1+1=", "answer": {"v": 2}}', "'answer' must be a string or a finite number"),
         ('{"prompt": "1+1=", "answer": true}', "'answer' must be a string or a finite number"),

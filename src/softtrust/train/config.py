@@ -1,4 +1,4 @@
-"""The trainer's configuration: one dataclass, a YAML file, command-line overrides.
+"""The trainer's configuration: one dataclass (YAML and command-line parsing in ``options.py``).
 
 Every field carries its help text in its metadata; ``softtrust train --help`` is built
 from them, so the documentation cannot drift from the code. Precedence: field default
@@ -8,11 +8,7 @@ value before any work and names the offending field.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,12 +19,26 @@ from softtrust.aggregation import AGGREGATIONS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
+# The YAML / command-line side (options.py) imports this module only inside its functions;
+# its names stay importable from here.
+from .options import (
+    _coerce,
+    add_config_arguments,
+    check_field_value,
+    config_from_arguments,
+    load_resume_config,
+    load_yaml_mapping,
+    parse_key_values,
+    resume_config,
+)
+
 MODES = ("sync", "async")
 PROXIMAL = ("none", "recompute", "loglinear")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _field(
@@ -62,8 +72,31 @@ class TrainConfig:
     task: str = _field(
         "addition", "Built-in task (addition, addition-1digit, scratchpad); ignored when --dataset is given."
     )
-    dataset: str | None = _field(None, "A JSONL file with 'prompt' and 'answer' fields (replaces --task).")
-    reward: str = _field("exact", "Reward for --dataset: exact | numeric | module:function.")
+    dataset: str | None = _field(
+        None,
+        "A dataset (replaces --task): .jsonl, .json, .csv, .parquet or a datasets save_to_disk directory; "
+        "prompts are strings or conversations ([{role, content}, ...], rendered with the chat template).",
+    )
+    prompt_column: str = _field("prompt", "--dataset's prompt column.")
+    answer_column: str = _field(
+        "answer", "--dataset's answer column (what the built-in rewards compare with)."
+    )
+    system_prompt: str | None = _field(
+        None, "A system message put first in every conversational prompt that has none."
+    )
+    reward: str = _field(
+        "exact",
+        "Reward(s) for --dataset, comma-separated: exact | numeric | math | module:function "
+        "(per sample (completion, answer, **columns) or TRL's batched (prompts, completions, "
+        "completion_ids, **columns) -> list of float or None).",
+    )
+    reward_weights: list[float] = field(
+        default_factory=list,
+        metadata={"help": "Weights of the --reward functions, e.g. '1,0.1' (default: 1 each)."},
+    )
+    correctness_reward: str | None = _field(
+        None, "The --reward whose value >= 1 counts as correct in held-out accuracy (default: the first)."
+    )
     strict_reward: bool = _field(
         False, "Re-raise reward-function errors instead of scoring 0 and counting them."
     )
@@ -147,6 +180,19 @@ class TrainConfig:
         "none",
         "Train/inference mismatch: score rollouts with other numerics (bf16 | fp16 autocast) than the fp32 learner.",
     )
+    # --- precision and memory
+    dtype: str = _field(
+        "fp32", "Weights' dtype: fp32 | bf16 (bf16 halves memory; sampling and learning both use it)."
+    )
+    gradient_checkpointing: bool = _field(
+        False, "Recompute activations in the backward pass (less memory, about a third more compute)."
+    )
+    micro_batch_size: int = _field(
+        0,
+        "Rows per forward/backward in the update (0: the whole mini-batch); exact: the loss keeps the "
+        "mini-batch's global normalisers.",
+        low=0,
+    )
     # --- batch shape
     group_size: int = _field(8, "G, completions per prompt (group-relative advantages need >= 2).", low=2)
     prompts_per_step: int = _field(
@@ -157,6 +203,19 @@ class TrainConfig:
     max_new_tokens: int = _field(6, "Most tokens sampled per completion (end of sequence included).", low=1)
     temperature: float = _field(
         1.0, "Sampling temperature (the learner scales logits by it too).", low=0, low_open=True
+    )
+    top_k: int | None = _field(
+        None,
+        "Sample from the k most likely tokens only; the learner scores the same truncated policy.",
+        low=1,
+    )
+    top_p: float | None = _field(
+        None,
+        "Sample from the smallest set of tokens holding probability >= p (nucleus); the learner "
+        "scores the same truncated policy.",
+        low=0,
+        low_open=True,
+        high=1,
     )
     # --- optimisation
     lr: float = _field(3e-4, "AdamW learning rate.", low=0, low_open=True)
@@ -196,6 +255,14 @@ class TrainConfig:
         low=0,
         resumable=True,
     )
+    samples_every: int = _field(
+        0,
+        "Also write sampled training completions to samples.jsonl every this many steps "
+        "(0: only the greedy held-out ones at each evaluation).",
+        low=0,
+        resumable=True,
+    )
+    num_samples: int = _field(4, "Completions written to samples.jsonl each time.", low=0, resumable=True)
     eval_size: int = _field(
         512, "Held-out problems for evaluation (the task must have more distinct problems).", low=1
     )
@@ -267,6 +334,11 @@ class TrainConfig:
             "objective sets old = pi_prox, so d = 0 and nothing would be masked. Use --proximal none with "
             "m2po (its second-moment mask is its own off-policy treatment)",
         )
+        need(
+            self.proximal == "none" or not self.micro_batch_size,
+            "proximal",
+            "the decoupled objective takes the whole mini-batch in one forward; drop --micro-batch-size",
+        )
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
@@ -286,8 +358,9 @@ class TrainConfig:
             "FSDP2 is supported in sync mode only (an async rollout worker needs a full replica of the "
             "weights); use DDP for async mode (drop --fsdp) or --mode sync",
         )
+        need(self.dtype in DTYPES, "dtype", f"choose one of {tuple(DTYPES)}")
         if self.dataset is not None:
-            need(Path(self.dataset).is_file(), "dataset", "not a file")
+            need(Path(self.dataset).exists(), "dataset", "no such file or directory")
         if self.model is not None:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
@@ -329,28 +402,6 @@ def check_causal_lm_directory(path: str) -> None:
         )
 
 
-def parse_key_values(text: str, name: str) -> dict:
-    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars (and ``1e-6``,
-    which PyYAML reads as text, as the number)."""
-    values = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{name}: expected key=value pairs separated by commas, got {text!r}")
-        values[key.strip()] = _number_if_float(yaml.safe_load(value))
-    return values
-
-
-def _number_if_float(value):
-    """A YAML string that Python reads as a float (``1e-6``, ``.5e3``) as that float; else ``value``."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
 # ---------------------------------------------------------------------- command line
 def _known_device(device: str) -> bool:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
@@ -364,207 +415,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _field_kind(cls, name: str):
-    """The field's base type: int, float, str, bool, list or dict (Optional unwrapped)."""
-    hint = typing.get_type_hints(cls)[name]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return typing.get_origin(hint) or hint
-
-
-def _is_optional(cls, name: str) -> bool:
-    hint = typing.get_type_hints(cls)[name]
-    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
-
-
-def _coerce(cls, name: str, value):
-    """A YAML or command-line value as the field's type, strictly: a value the flag would refuse
-    is refused from YAML too (``2.7`` or ``true`` for an int, a number for a string, ...).
-    Strings are parsed as the command line parses them."""
-    kind = _field_kind(cls, name)
-    if value is None:
-        if _is_optional(cls, name):
-            return None
-        raise ValueError(f"{name}: expected {_kind_name(kind)}, got null")
-    if kind is dict:
-        if isinstance(value, str):
-            return parse_key_values(value, name)
-        if isinstance(value, dict):
-            return dict(value)
-    elif kind is list:
-        items = value.split(",") if isinstance(value, str) else value
-        if isinstance(items, (list, tuple)):
-            return [
-                _strict_int(name, item) for item in items if not (isinstance(item, str) and not item.strip())
-            ]
-    elif kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in BOOL_WORDS:
-            return BOOL_WORDS[value.lower()]
-        raise ValueError(f"{name}: expected true or false, got {value!r}")
-    elif kind is int:
-        return _strict_int(name, value)
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif kind is str and isinstance(value, str):
-        return value
-    raise ValueError(f"{name}: expected {_kind_name(kind)}, got {value!r} ({type(value).__name__})")
-
-
-BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
-
-
-def _strict_int(name: str, value) -> int:
-    """An int from an int or a decimal string; a bool, a float or anything else is refused."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise ValueError(f"{name}: expected an integer, got {value!r}")
-
-
-def _kind_name(kind) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        kind, "key=value pairs" if kind is dict else "integers separated by commas"
-    )
-
-
-def check_field_value(f: dataclasses.Field, value) -> None:
-    """The declared checks of one field (``_field``'s ``low``/``high``; floats finite; a path-like
-    string option not empty). Raises ``ValueError`` naming the field."""
-    if value is None:
-        return
-    name, low, high = f.name, f.metadata.get("low"), f.metadata.get("high")
-    numbers = value if isinstance(value, list) else [value]
-    for number in numbers:
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            if isinstance(number, str) and not number.strip() and f.default is None:  # a path option
-                raise ValueError(f"{name}: must not be empty (got {value!r})")
-            continue
-        if not math.isfinite(number):
-            raise ValueError(f"{name}: must be a finite number (got {value!r})")
-        if low is not None and (number < low or (f.metadata.get("low_open") and number == low)):
-            bound = f"> {low}" if f.metadata.get("low_open") else f">= {low}"
-            raise ValueError(f"{name}: must be {bound} (got {value!r})")
-        if high is not None and number > high:
-            raise ValueError(f"{name}: must be <= {high} (got {value!r})")
-
-
-def load_yaml_mapping(path: str | Path) -> dict:
-    """The mapping in a YAML config file; a missing file, malformed YAML or another type is a
-    ``ValueError`` naming ``config``."""
-    path = Path(path)
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ValueError(f"config: cannot read {str(path)!r} ({error.strerror or error})") from error
-    except yaml.YAMLError as error:
-        raise ValueError(f"config: {str(path)!r} is not valid YAML ({error})") from error
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ValueError(
-            f"config: {str(path)!r} must hold a mapping of field: value, got {type(loaded).__name__}"
-        )
-    return loaded
-
-
 RESUMABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resumable"))
 
-
-def resume_config(stored: TrainConfig, changes: dict, run_directory: Path) -> TrainConfig:
-    """The config a resumed run continues with: its ``stored`` one, ``changes`` on top.
-
-    ``changes``: the fields given now. Only ``RESUMABLE_FIELDS`` may differ from the stored
-    values; any other difference is refused naming the field. The run keeps writing into
-    ``run_directory`` (the directory resumed, whatever ``output_dir`` its config recorded).
-    """
-    changes = {key: _coerce(TrainConfig, key, value) for key, value in changes.items()}
-    directory = str(run_directory)
-    given_dir = changes.pop("output_dir", None)
-    if given_dir is not None and Path(given_dir).resolve() != Path(directory).resolve():
-        raise ValueError(
-            f"output_dir: a resumed run writes into its own directory {directory!r}, not {given_dir!r} "
-            "(copy the run directory there and resume the copy, or drop --output-dir)"
-        )
-    changes.pop("resume", None)
-    base = stored.to_dict()
-    refused = sorted(
-        key for key, value in changes.items() if key not in RESUMABLE_FIELDS and value != base.get(key)
-    )
-    if refused:
-        details = ", ".join(f"{key}={changes[key]!r} (the run has {base.get(key)!r})" for key in refused)
-        raise ValueError(
-            f"{refused[0]}: a resumed run continues its own config; {details} would change what it trains. "
-            f"On resume only {', '.join(RESUMABLE_FIELDS)} may change; to train otherwise, start a new run "
-            "in another --output-dir"
-        )
-    return TrainConfig.from_dict({**base, **changes, "output_dir": directory, "resume": directory})
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per ``TrainConfig`` field (help from the field), plus ``--config``."""
-    parser.add_argument(
-        "--config", metavar="FILE.yaml", help="Read fields from a YAML file; flags override it."
-    )
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kind = _field_kind(TrainConfig, f.name)
-        flags = [_flag(f.name)]
-        if f.name == "prompts_per_step":
-            flags.append("--prompts-per-rollout")
-        help_text = f"{f.metadata['help']} [default: {default!r}]"
-        if f.metadata.get("resumable"):
-            help_text += " (may change on --resume)"
-        if kind is bool:
-            parser.add_argument(
-                *flags,
-                dest=f.name,
-                default=argparse.SUPPRESS,
-                action=argparse.BooleanOptionalAction,
-                help=help_text,
-            )
-        else:
-            metavar = {int: "INT", float: "FLOAT", dict: "K=V,...", list: "INT,..."}.get(kind, "STR")
-            parser.add_argument(
-                *flags, dest=f.name, default=argparse.SUPPRESS, metavar=metavar, help=help_text
-            )
-
-
-def config_from_arguments(arguments: argparse.Namespace) -> TrainConfig:
-    """Defaults < ``--config`` YAML < flags given on the command line. With ``--resume``: the
-    run's stored config < the YAML and flags given (``resume_config`` refuses those that would
-    change what it trains)."""
-    values = {}
-    config_path = getattr(arguments, "config", None)
-    if config_path is not None:
-        values.update(load_yaml_mapping(config_path))
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values.update({key: value for key, value in vars(arguments).items() if key in names})
-    if values.get("resume") is not None:
-        TrainConfig.from_dict(values)  # unknown fields and malformed values first
-        return load_resume_config(values)
-    return TrainConfig.from_dict(values)
-
-
-def load_resume_config(values: dict) -> TrainConfig:
-    """``resume_config`` for ``values["resume"]`` (a run or checkpoint directory)."""
-    from .checkpoint import run_directory_of
-
-    directory = run_directory_of(str(values["resume"]))
-    stored = TrainConfig.from_yaml(directory / "config.yaml")
-    return resume_config(stored, values, directory)
+__all__ = [
+    "RESUMABLE_FIELDS",
+    "TrainConfig",
+    "add_config_arguments",
+    "check_causal_lm_directory",
+    "config_from_arguments",
+    "load_resume_config",
+    "load_yaml_mapping",
+    "parse_key_values",
+    "resolve_device",
+    "resume_config",
+]

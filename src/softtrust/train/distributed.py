@@ -237,10 +237,14 @@ class PolicyForward(torch.nn.Module):
         attention_mask: torch.Tensor,
         completion_length: int | None = None,
         temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
         **step_kwargs,
     ):
         if completion_length is not None:
-            return sequence_logprobs(self.model, input_ids, attention_mask, completion_length, temperature)
+            return sequence_logprobs(
+                self.model, input_ids, attention_mask, completion_length, temperature, top_k, top_p
+            )
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **step_kwargs)
 
 
@@ -278,12 +282,22 @@ def policy_logprobs(
     attention_mask: torch.Tensor,
     completion_length: int,
     temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """The learner's ``[B, T]`` completion log-probs through ``policy`` (``wrap_policy``'s
-    result): through the DDP / FSDP2 wrapper's forward, or plainly for one process."""
+    result): through the DDP / FSDP2 wrapper's forward, or plainly for one process; with
+    ``top_k``/``top_p`` those of the truncated sampling policy."""
     if getattr(getattr(policy, "module", policy), "wraps_causal_lm", False):
-        return policy(input_ids, attention_mask, completion_length=completion_length, temperature=temperature)
-    return sequence_logprobs(policy, input_ids, attention_mask, completion_length, temperature)
+        return policy(
+            input_ids,
+            attention_mask,
+            completion_length=completion_length,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
+    return sequence_logprobs(policy, input_ids, attention_mask, completion_length, temperature, top_k, top_p)
 
 
 def generation_model(policy: torch.nn.Module, model: torch.nn.Module, world: World) -> torch.nn.Module:

@@ -4,7 +4,7 @@ Generation is a plain KV-cache sampling loop (faster than ``model.generate`` for
 model on CPU). The trainer's random draws are keyed by (seed, rollout index, global group
 index) (``group_uniforms``): a rollout is the same whichever process samples which group,
 so ``torchrun`` with P processes samples what one process does, and a resume needs no
-sampler state. A reward is checked the same way in RL and in evaluation (``checked_reward``).
+sampler state. A reward is checked the same way in RL and in evaluation (``RewardScorer``).
 Each sampled token's log-prob is recorded with the same temperature scaling the learner
 uses, so a rollout's ``rollout_logprobs`` are the behaviour policy's own numbers.
 Everything after a completion's first end-of-sequence token is masked; the end-of-sequence
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import math
-import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -24,7 +22,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from softtrust.logprobs import completion_logprobs
+from softtrust.truncation import sample_truncated, truncated_log_softmax, truncates
 
+from .rewards import RewardScorer
 from .tasks import Problem
 
 
@@ -132,10 +132,13 @@ class RolloutBatch:
 
 def cache_argument_name(model) -> str:
     """``cache`` (transformers >= 5) or ``past_key_values`` (older), whichever forward takes."""
+    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+
+
+def _forward_parameters(model):
     if getattr(model, "wraps_causal_lm", False):  # distributed.PolicyForward: look inside
         model = model.model
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+    return inspect.signature(model.forward).parameters
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -143,12 +146,66 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and attention mask, ``[B, P]`` each."""
+def prompt_texts(tokenizer, prompts: Sequence) -> tuple[list[str], bool]:
+    """The text fed to the model for each prompt, and whether it came from the chat template.
+
+    A plain string is fed as it is. A conversation (``Problem.prompt`` as ``(role, content)``
+    pairs) is rendered with the tokenizer's chat template and ``add_generation_prompt=True``
+    (its special tokens are in the text, so it is tokenized without adding more). A tokenizer
+    without a chat template is a ``ValueError`` naming ``model``.
+    """
+    conversations = [not isinstance(prompt, str) for prompt in prompts]
+    if not any(conversations):
+        return list(prompts), False
+    if not all(conversations):
+        raise ValueError("prompts: a batch mixes plain strings and conversations")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "model: the dataset holds conversations but the tokenizer has no chat template "
+            "(set tokenizer.chat_template and save it with the model, or write the prompts as plain strings)"
+        )
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in prompt],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for prompt in prompts
+    ]
+    return texts, True
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """Tokens that end a completion: the tokenizer's end of sequence and, with a chat template,
+    the token that closes an assistant turn (found by rendering one: the first special token
+    after the assistant's text, e.g. ``<|im_end|>``)."""
+    ids = [tokenizer.eos_token_id]
+    if getattr(tokenizer, "chat_template", None):
+        marker = "softtrust-end-of-turn-probe"
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], tokenize=False
+            )
+        except Exception:  # a template that refuses this conversation: keep the EOS only
+            text = ""
+        tail = text.partition(marker)[2]
+        special = set(tokenizer.all_special_ids)
+        for token in tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []:
+            if token in special:
+                if token not in ids:
+                    ids.append(token)
+                break
+    return ids
+
+
+def encode_prompts(tokenizer, prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and attention mask, ``[B, P]`` each (``prompt_texts`` renders
+    conversations with the chat template)."""
+    texts, templated = prompt_texts(tokenizer, prompts)
     previous_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
-        encoded = tokenizer(list(prompts), padding=True, return_tensors="pt")
+        encoded = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=not templated)
     finally:
         tokenizer.padding_side = previous_side
     return encoded["input_ids"], encoded["attention_mask"]
@@ -160,19 +217,23 @@ def sample_completions(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     *,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     max_new_tokens: int,
     temperature: float,
     dtype: torch.dtype | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
+    group_size: int = 1,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample (or, at ``temperature == 0``, greedily decode) completions with a KV cache.
 
     Args:
         model: a Hugging Face causal LM (put in eval mode by the caller).
         prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts.
+        eos_token_id: the token, or tokens (``end_token_ids``), that end a completion.
         temperature: logits are divided by it before the softmax (the learner does the
             same); 0 means greedy, with log-probs taken at temperature 1.
         dtype: run the forward under ``torch.autocast`` in this dtype (a rollout engine
@@ -183,6 +244,10 @@ def sample_completions(
             each row's draw depends only on its own numbers, never on the batch it is sampled in.
         all_finished: given this process's "every row has ended", says whether every process
             has (FSDP2: all ranks must run the same number of forwards); default: this one.
+        group_size: rows come in groups of this many copies of one prompt (a rollout's G):
+            the prompt is prefilled once per group (checked; otherwise every row is prefilled).
+        top_k, top_p: sample from the truncated policy (``softtrust.truncation``); the
+            recorded log-probs are its renormalised ones, as the learner scores them.
 
     Returns:
         ``completion_ids [B, T]`` (pad after EOS), ``completion_mask [B, T]`` (up to and
@@ -197,21 +262,46 @@ def sample_completions(
     step_input = prompt_ids.to(device)
     position_ids = position_ids_from_mask(attention_mask)
     cache = None
+    # Only the last position's logits are used: the prefill skips the LM head everywhere else
+    # (for a 49k vocabulary it is most of the prefill's cost).
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
     finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    stop = torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
+    )
     tokens, masks, logprobs = [], [], []
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _no_autocast()
+    # G completions of one prompt are consecutive rows with the same prompt: the prefill runs
+    # once per prompt and its KV cache is repeated G times (G x less prefill compute).
+    shared = group_size > 1 and batch_size % group_size == 0 and all_finished is None
+    shared = shared and torch.equal(step_input, step_input[::group_size].repeat_interleave(group_size, 0))
     for position in range(max_new_tokens):
+        prefill_shared = shared and position == 0
+        rows = slice(None, None, group_size) if prefill_shared else slice(None)
         with autocast:
             output = model(
-                input_ids=step_input,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
+                input_ids=step_input[rows],
+                attention_mask=attention_mask[rows],
+                position_ids=position_ids[rows],
                 use_cache=True,
                 **{cache_name: cache},
+                **last_only,
             )
         cache = getattr(output, cache_name)
         logits = output.logits[:, -1, :].float()  # [B, V]
-        if temperature > 0:
+        if prefill_shared:
+            cache.batch_repeat_interleave(group_size)
+            logits = logits.repeat_interleave(group_size, 0)
+        if temperature > 0 and truncates(top_k, top_p, logits.shape[-1]):
+            log_probs = truncated_log_softmax(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            token, _ = sample_truncated(
+                logits,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                uniform=uniforms[:, position].to(device),
+            )
+        elif temperature > 0:
             log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
             token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
         else:
@@ -224,7 +314,7 @@ def sample_completions(
         masks.append(active)
         # Masked positions hold 0, never the (possibly -inf) log-prob of a pad token.
         logprobs.append(torch.where(active, chosen, torch.zeros_like(chosen)))
-        finished = finished | (token == eos_token_id)
+        finished = finished | torch.isin(token, stop)
         done = bool(finished.all())
         if all_finished(done) if all_finished is not None else done:
             break
@@ -246,11 +336,12 @@ def inverse_cdf_sample(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.
         uniform: ``[B]`` draws in [0, 1).
 
     Returns:
-        ``[B]`` token ids: the first ``v`` with ``cdf[v] > u``. The CDF is summed in float64
+        ``[B]`` token ids: the first ``v`` with ``cdf[v] > u``. The CDF is summed in float32
+        (float64 doubled the cost per token for a change below 1e-6 in each token's probability)
         and the index clamped to ``V - 1`` (rounding can leave ``cdf[-1]`` a hair under 1).
     """
-    cdf = log_probs.double().exp().cumsum(dim=-1)  # [B, V]
-    token = (cdf <= uniform.double().unsqueeze(1)).sum(dim=-1)  # [B]
+    cdf = log_probs.float().exp().cumsum(dim=-1)  # [B, V]
+    token = (cdf <= uniform.to(cdf.dtype).unsqueeze(1)).sum(dim=-1)  # [B]
     return token.clamp(max=log_probs.shape[-1] - 1)
 
 
@@ -294,11 +385,14 @@ def sequence_logprobs(
     attention_mask: torch.Tensor,
     completion_length: int,
     temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     """The learner's log-probs of the last ``completion_length`` tokens, ``[B, T]`` float32.
 
     Position ``t`` predicts token ``t + 1``; logits are divided by ``temperature`` as in
-    sampling; masked completion positions hold 0. ``softtrust.logprobs.completion_logprobs``
+    sampling, and with ``top_k``/``top_p`` the truncated policy the sampler draws from is
+    scored (``softtrust.truncation``); masked completion positions hold 0. ``softtrust.logprobs.completion_logprobs``
     does the work without building the ``[B, T, V]`` logits.
     """
     completion_mask = attention_mask[:, -completion_length:]  # [B, T]
@@ -309,37 +403,9 @@ def sequence_logprobs(
         completion_length,
         completion_mask=completion_mask,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
     )
-
-
-def checked_reward(task, completion: str, answer: str) -> float:
-    """``task.reward(completion, answer)`` as a float, or ``TypeError`` unless it is a finite real
-    number (a bool, a string, a tensor, inf or NaN are refused). RL and evaluation both score
-    through this, so a reward means the same in both."""
-    value = task.reward(completion, answer)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"reward function returned {value!r}, expected a finite number")
-    return float(value)
-
-
-class RewardScorer:
-    """Calls a task's reward safely (``checked_reward``): an exception or an invalid value scores 0
-    and is counted in ``failures``. With ``strict=True`` the exception (``TypeError`` for an
-    invalid value) propagates."""
-
-    def __init__(self, task, strict: bool = False):
-        self.task = task
-        self.strict = strict
-        self.failures = 0
-
-    def __call__(self, completion: str, answer: str) -> float:
-        try:
-            return checked_reward(self.task, completion, answer)
-        except Exception:
-            if self.strict:
-                raise
-            self.failures += 1
-            return 0.0
 
 
 class ProblemSampler:
@@ -364,10 +430,10 @@ class ProblemSampler:
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
-    """Completion text up to (not including) the first EOS."""
-    texts = []
+    """Completion text up to (not including) the first end token, without special tokens."""
+    texts, ends = [], set(end_token_ids(tokenizer))
     for ids, mask in zip(completion_ids.tolist(), completion_mask.tolist(), strict=True):
-        kept = [t for t, m in zip(ids, mask, strict=True) if m and t != tokenizer.eos_token_id]
+        kept = [t for t, m in zip(ids, mask, strict=True) if m and t not in ends]
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
     return texts
 
@@ -385,6 +451,8 @@ def generate_rollout(
     dtype: torch.dtype | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> RolloutBatch:
     """G sampled completions per problem (consecutive rows), scored by ``scorer``.
 
@@ -398,20 +466,23 @@ def generate_rollout(
         model,
         prompt_ids,
         prompt_mask,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=end_token_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         dtype=dtype,
         uniforms=uniforms,
         all_finished=all_finished,
+        group_size=group_size,
+        top_k=top_k,
+        top_p=top_p,
     )
     model.train(was_training)
     completions = decode_completions(tokenizer, completion_ids, completion_mask)
-    rewards = torch.tensor(
-        [scorer(text, problem.answer) for text, problem in zip(completions, repeated, strict=True)],
-        dtype=torch.float32,
-    )
+    kept_ids = [
+        ids[: int(mask.sum())] for ids, mask in zip(completion_ids.tolist(), completion_mask, strict=True)
+    ]
+    rewards, _, _ = scorer.score(repeated, completions, kept_ids)
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
@@ -433,9 +504,14 @@ def greedy_accuracy(
     batch_size: int = 256,
     all_finished: Callable[[bool], bool] | None = None,
     strict: bool = False,
+    samples: list | None = None,
+    num_samples: int = 4,
 ) -> float:
-    """Fraction of ``problems`` whose greedy completion earns the full reward (>= 1), scored as in
-    RL (``RewardScorer``): a failing or invalid reward counts as wrong (``strict``: raises)."""
+    """Fraction of ``problems`` whose greedy completion the correctness reward scores >= 1, scored
+    as in RL (``RewardScorer``): a failing or invalid reward counts as wrong (``strict``: raises).
+
+    ``samples``: a list that receives the first ``num_samples`` problems' prompt as fed to the
+    model, completion and rewards (what ``samples.jsonl`` records)."""
     scorer = RewardScorer(task, strict=strict)
     was_training = model.training
     model.eval()
@@ -447,15 +523,26 @@ def greedy_accuracy(
             model,
             prompt_ids,
             prompt_mask,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=end_token_ids(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             max_new_tokens=max_new_tokens,
             temperature=0.0,
             all_finished=all_finished,
         )
         texts = decode_completions(tokenizer, completion_ids, completion_mask)
-        correct += sum(
-            scorer(text, problem.answer) >= 1.0 for text, problem in zip(texts, chunk, strict=True)
-        )
+        totals, right, parts = scorer.score(chunk, texts)
+        correct += sum(right)
+        if samples is not None:
+            for index in range(min(len(chunk), num_samples - len(samples))):
+                samples.append(
+                    {
+                        "prompt": prompt_texts(tokenizer, [chunk[index].prompt])[0][0],
+                        "completion": texts[index],
+                        "answer": chunk[index].answer,
+                        "reward": float(totals[index]),
+                        "rewards": {name: values[index] for name, values in parts.items()},
+                        "correct": right[index],
+                    }
+                )
     model.train(was_training)
     return correct / max(len(problems), 1)

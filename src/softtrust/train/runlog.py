@@ -30,6 +30,7 @@ RUN_FILES = (
     "config.yaml",
     "metrics.jsonl",
     "events.jsonl",
+    "samples.jsonl",
     "summary.json",
     "checkpoints",
     "final",
@@ -65,6 +66,7 @@ class RunLog:
         self.writes = writes
         self.metrics_path = directory / "metrics.jsonl"
         self.events_path = directory / "events.jsonl"
+        self.samples_path = directory / "samples.jsonl"
         self.rewards: list[tuple[int, float]] = []
         self.accuracies: list[tuple[int, float]] = []
         self.tensorboard = None
@@ -109,7 +111,7 @@ class RunLog:
         """Keep the metrics and events up to ``step`` (a resume's checkpoint); a torn last line goes too."""
         if not self.writes:
             return
-        for path in (self.metrics_path, self.events_path):
+        for path in (self.metrics_path, self.events_path, self.samples_path):
             if path.is_file():
                 kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
                 atomic_write_text(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
@@ -124,6 +126,15 @@ class RunLog:
             self.last_postfix["acc"] = f"{record['eval/accuracy']:.3f}"
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def log_samples(self, step: int, kind: str, samples: list[dict]) -> None:
+        """Append ``samples`` (prompt as fed to the model, completion, rewards) to ``samples.jsonl``,
+        one line each, tagged with the step and ``kind`` (``eval``: greedy held-out; ``train``: sampled)."""
+        if not self.writes or not samples:
+            return
+        with open(self.samples_path, "a") as handle:
+            for sample in samples:
+                handle.write(json.dumps({"step": step, "kind": kind, **sample}, allow_nan=True) + "\n")
 
     def log_step(self, metrics: dict, progress) -> None:
         if not self.writes:

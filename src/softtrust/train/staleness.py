@@ -57,7 +57,9 @@ class MiniBatch:
 
     Attributes:
         batch: the rows (m prompts x G completions).
-        old_logprobs: ``[b, T]`` behaviour log-probs (the policy that sampled the rows).
+        old_logprobs: ``[b, T]`` behaviour log-probs (the policy that sampled the rows);
+            ``None`` on-policy (sync, N = 1): the behaviour policy is the learner's current
+            one, whose detached log-probs the update uses (the ratio is 1 by definition).
         rollout_logprobs: ``[b, T]`` the sampler's log-probs, kept when a correction or a
             train/inference mismatch needs them (TIS / MIS), else ``None``.
         advantages: ``[b]``.
@@ -68,7 +70,7 @@ class MiniBatch:
     """
 
     batch: RolloutBatch
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     rollout_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     rollout_index: int
@@ -129,7 +131,7 @@ class MiniBatch:
         start, stop = rank * rows, (rank + 1) * rows
         return MiniBatch(
             batch=self.batch.rows(start, stop),
-            old_logprobs=self.old_logprobs[start:stop],
+            old_logprobs=None if self.old_logprobs is None else self.old_logprobs[start:stop],
             rollout_logprobs=None if self.rollout_logprobs is None else self.rollout_logprobs[start:stop],
             advantages=self.advantages[start:stop],
             rollout_index=self.rollout_index,
@@ -149,12 +151,13 @@ class Rollout:
 
     Attributes:
         batch: this rank's rows (``batch.rewards``: what the loop computes advantages from).
-        old_logprobs: ``[rows, T]`` behaviour log-probs (the policy that sampled the rows).
+        old_logprobs: ``[rows, T]`` behaviour log-probs (the policy that sampled the rows);
+            ``None`` when the learner's own log-probs serve (sync, N = 1).
         index: the rollout's index (the key of its sampling draws).
     """
 
     batch: RolloutBatch
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
     index: int
 
 
@@ -198,7 +201,9 @@ def check_kind(source: RolloutSource, state: dict) -> None:
 
 
 @torch.no_grad()
-def behaviour_logprobs(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+def behaviour_logprobs(
+    model, batch: RolloutBatch, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """The learner's own log-probs of the sampled tokens (same code, same mode, no grad).
 
     ``model`` is a causal LM, or under FSDP2 the sharded ``distributed.PolicyForward``
@@ -208,10 +213,17 @@ def behaviour_logprobs(model, batch: RolloutBatch, temperature: float) -> torch.
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     if getattr(model, "wraps_causal_lm", False):
         logprobs = model(
-            input_ids, attention_mask, completion_length=batch.completion_length, temperature=temperature
+            input_ids,
+            attention_mask,
+            completion_length=batch.completion_length,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
         )
     else:
-        logprobs = sequence_logprobs(model, input_ids, attention_mask, batch.completion_length, temperature)
+        logprobs = sequence_logprobs(
+            model, input_ids, attention_mask, batch.completion_length, temperature, top_k, top_p
+        )
     return logprobs.cpu()
 
 
@@ -230,6 +242,8 @@ class SyncRollouts:
         temperature: float,
         keep_rollout_logprobs: bool,
         world=None,
+        top_k: int | None = None,
+        top_p: float | None = None,
     ):
         self.generate = generate
         self.staleness = staleness
@@ -239,6 +253,7 @@ class SyncRollouts:
         self.rows_per_step = prompts_per_step * group_size  # global rows per mini-batch
         self.local_rows_per_step = self.rows_per_step // self.world_size
         self.temperature = temperature
+        self.top_k, self.top_p = top_k, top_p  # the truncated policy the learner scores
         self.keep_rollout_logprobs = keep_rollout_logprobs
         self.pending: list[MiniBatch] = []
         self.rollouts = 0  # rollouts generated so far (= behaviour log-prob passes)
@@ -252,13 +267,20 @@ class SyncRollouts:
             return None
         # This rank's share: [N x m/P x G rows].
         batch = self.generate(model, self.staleness * self.prompts_per_step, step, self.rollouts)
-        # Computed per mini-batch with the learner's code and shapes, before any update:
-        # with N = 1 these are bit-identical to the learner's first forward (ratio = 1).
-        old = [
-            behaviour_logprobs(model, batch.rows(*self._local_rows(k)), self.temperature)
-            for k in range(self.staleness)
-        ]
-        rollout = Rollout(batch=batch, old_logprobs=torch.cat(old), index=self.rollouts)
+        # Computed per mini-batch with the learner's code and shapes, before any update. With
+        # N = 1 they would be bit-identical to the learner's own forward (ratio = 1): that
+        # forward is skipped, and the learner uses its own detached log-probs (``None`` here).
+        old = None
+        if self.staleness > 1:
+            old = torch.cat(
+                [
+                    behaviour_logprobs(
+                        model, batch.rows(*self._local_rows(k)), self.temperature, self.top_k, self.top_p
+                    )
+                    for k in range(self.staleness)
+                ]
+            )
+        rollout = Rollout(batch=batch, old_logprobs=old, index=self.rollouts)
         self.rollouts += 1
         return rollout
 
@@ -273,7 +295,7 @@ class SyncRollouts:
             self.pending.append(
                 MiniBatch(
                     batch=rows,
-                    old_logprobs=rollout.old_logprobs[start:stop],
+                    old_logprobs=None if rollout.old_logprobs is None else rollout.old_logprobs[start:stop],
                     rollout_logprobs=rows.rollout_logprobs if self.keep_rollout_logprobs else None,
                     advantages=advantages[start:stop],
                     rollout_index=rollout.index,

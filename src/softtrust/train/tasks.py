@@ -13,23 +13,27 @@ scored by ``exact``, ``numeric`` or a user ``module:function`` reward.
 
 from __future__ import annotations
 
-import importlib
-import json
 import math
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-
-RewardFn = Callable[[str, str], float]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt with its reference answer (both plain text)."""
+    """One prompt with its reference answer.
 
-    prompt: str
+    Attributes:
+        prompt: plain text, or a conversation as a tuple of ``(role, content)`` pairs (rendered
+            with the tokenizer's chat template when encoded, ``rollout.prompt_texts``).
+        answer: the reference answer as text (``""`` when a dataset has none).
+        columns: a dataset record's other columns (the answer column included), passed to a
+            custom reward as keyword arguments; not part of the problem's identity.
+    """
+
+    prompt: str | tuple
     answer: str
+    columns: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def exact_reward(completion: str, answer: str) -> float:
@@ -57,24 +61,6 @@ def digit_partial_reward(completion: str, answer: str, partial_weight: float = 0
         return 1.0
     correct = sum(a == b for a, b in zip(completion, answer, strict=False))
     return partial_weight * correct / max(len(answer), 1)
-
-
-def load_reward(spec: str) -> RewardFn:
-    """``exact`` | ``numeric`` | ``module:function`` (a callable ``(completion, answer) -> float``)."""
-    if spec == "exact":
-        return exact_reward
-    if spec == "numeric":
-        return numeric_reward
-    if ":" not in spec:
-        raise ValueError(f"reward: expected 'exact', 'numeric' or 'module:function', got {spec!r}")
-    module_name, _, function_name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"reward: cannot import {spec!r} ({error})") from error
-    if not callable(function):
-        raise ValueError(f"reward: {spec!r} is not callable")
-    return function
 
 
 class AdditionTask:
@@ -129,60 +115,56 @@ class ScratchpadAdditionTask(AdditionTask):
 
 
 class DatasetTask:
-    """Problems drawn uniformly from a JSONL file with ``prompt`` and ``answer`` fields."""
+    """Problems drawn uniformly from a dataset (``data.read_records``: JSONL, JSON, CSV, Parquet
+    or a ``datasets`` directory), scored by ``rewards.RewardSet``."""
 
     name = "dataset"
 
-    def __init__(self, path: str | Path, reward: str = "exact"):
+    def __init__(
+        self,
+        path: str | Path,
+        reward: str = "exact",
+        *,
+        prompt_column: str = "prompt",
+        answer_column: str = "answer",
+        system_prompt: str | None = None,
+        reward_weights: list | None = None,
+        correctness_reward: str | None = None,
+    ):
+        from .data import problems_from_records, read_records
+        from .rewards import RewardSet
+
         self.path = Path(path)
-        self.problems = read_jsonl_problems(self.path)
-        self.reward_fn = load_reward(reward)
+        self.rewards = RewardSet.parse(reward, reward_weights, correctness_reward)
+        self.problems = problems_from_records(
+            read_records(self.path),
+            prompt_column,
+            answer_column,
+            system_prompt,
+            need_answer=self.rewards.needs_answer,
+        )
 
     @property
     def num_problems(self) -> int:
-        """Distinct prompts in the file."""
+        """Distinct prompts in the dataset."""
         return len({problem.prompt for problem in self.problems})
 
     def sample(self, rng: random.Random) -> Problem:
         return self.problems[rng.randrange(len(self.problems))]
 
     def reward(self, completion: str, answer: str) -> float:
-        return self.reward_fn(completion, answer)
+        """The correctness reward of one completion (per-sample rewards only; see ``RewardSet``)."""
+        return self.rewards.single(completion, answer)
 
     def target(self, problem: Problem) -> str:
         return problem.answer
 
 
 def read_jsonl_problems(path: Path) -> list[Problem]:
-    """Read ``{"prompt", "answer"}`` lines; fail with the line number on a bad one.
+    """``{"prompt", "answer"}`` records of a JSONL file (``data.read_records``)."""
+    from .data import problems_from_records, read_records
 
-    The prompt must be a non-empty string; the answer a string or a finite number (written as
-    text). Anything else (null, a list, an object, a bool) is refused rather than stringified.
-    """
-    if not path.is_file():
-        raise ValueError(f"dataset: {str(path)!r} is not a file")
-    problems = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"dataset: {path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not valid JSON ({error})") from error
-        if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
-            raise ValueError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {line[:80]!r}")
-        prompt, answer = record["prompt"], record["answer"]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
-        if isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
-            answer = str(answer)
-        if not isinstance(answer, str):
-            raise ValueError(f"{where}: 'answer' must be a string or a finite number, got {answer!r}")
-        problems.append(Problem(prompt, answer))
-    if not problems:
-        raise ValueError(f"dataset: {path} holds no problems")
-    return problems
+    return problems_from_records(read_records(path))
 
 
 class SingleDigitAdditionTask(AdditionTask):
@@ -201,10 +183,11 @@ TASKS = {
 }
 
 
-def build_task(task: str, dataset: str | None = None, reward: str = "exact"):
-    """The task a config names: a JSONL ``dataset`` if given, else the built-in ``task``."""
+def build_task(task: str, dataset: str | None = None, reward: str = "exact", **options):
+    """The task a config names: a ``dataset`` if given (``options``: ``DatasetTask``'s keyword
+    arguments), else the built-in ``task``."""
     if dataset is not None:
-        return DatasetTask(dataset, reward)
+        return DatasetTask(dataset, reward, **options)
     if task not in TASKS:
         raise ValueError(f"task: unknown task {task!r}; built-in tasks: {sorted(TASKS)}")
     return TASKS[task]()

@@ -21,7 +21,7 @@ import torch
 import softtrust as st
 
 from .checkpoint import find_checkpoint, restore_state, run_directory_of, save_state
-from .config import TrainConfig, resolve_device, resume_config
+from .config import DTYPES, TrainConfig, resolve_device, resume_config
 from .distributed import (
     World,
     close_world,
@@ -81,7 +81,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
     """``train`` once the process group (if any) is up: the loop itself."""
     started = time.time()
     world.check_divides(config.prompts_per_step)
-    task = build_task(config.task, config.dataset, config.reward)
+    task = build_config_task(config)
     eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
     check_training_pool(task, eval_problems)
     checkpoint = find_checkpoint(config.resume) if config.resume is not None else None
@@ -104,7 +104,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         run.log_event({"resumed_from": str(checkpoint), "step": state.step})
         run.truncate_after(state.step)  # metrics logged after the checkpoint will be logged again
     else:
-        state.accuracy_before = evaluate(learner, tokenizer, task, eval_problems, config)
+        state.accuracy_before = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, 0)
         run.log_event({"step": 0, "eval/accuracy": state.accuracy_before})
     rollouts.start(state.step, model)
 
@@ -118,6 +118,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
                 # 2. advantages: group-relative, from the rewards of the whole rollout
                 rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
             minibatch = rollouts.next(state.step)
+            collect_seconds = time.time() - collect_start
             state.reward_failures = int(world.sum(scorer.failures))
             # 3. update: one optimizer step on the mini-batch
             update_metrics = policy_update(
@@ -129,8 +130,17 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             metrics = step_metrics(
                 state, minibatch, update_metrics, rollouts, time.time() - collect_start, world
             )
+            # where the step's time went: sampling + behaviour log-probs, then the update
+            metrics["seconds/collect"] = collect_seconds
+            metrics["seconds/update"] = metrics["seconds"] - collect_seconds
+            if config.samples_every and state.step % config.samples_every == 0:
+                run.log_samples(
+                    state.step, "train", training_samples(tokenizer, minibatch, config.num_samples)
+                )
             if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
-                metrics["eval/accuracy"] = evaluate(learner, tokenizer, task, eval_problems, config)
+                metrics["eval/accuracy"] = evaluate_and_sample(
+                    learner, tokenizer, task, eval_problems, config, run, state.step
+                )
             run.log_step(metrics, progress)
             if state.nonfinite_in_a_row >= config.max_nonfinite:
                 save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
@@ -146,7 +156,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         rollouts.close()
 
     save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-    accuracy_after = evaluate(learner, tokenizer, task, eval_problems, config)
+    accuracy_after = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, state.step)
     run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
     final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
     return run.finish(config, model, tokenizer, state, accuracy_after, time.time() - started, final_state)
@@ -206,7 +216,52 @@ def step_metrics(
     }
 
 
+def evaluate_and_sample(
+    learner, tokenizer, task, problems, config: TrainConfig, run: RunLog, step: int
+) -> float:
+    """Held-out greedy accuracy (``learner.evaluate``); the first ``num_samples`` held-out
+    problems' prompts, completions and rewards go to ``samples.jsonl``."""
+    samples = [] if config.num_samples else None
+    accuracy = evaluate(learner, tokenizer, task, problems, config, samples=samples)
+    run.log_samples(step, "eval", samples or [])
+    return accuracy
+
+
+def training_samples(tokenizer, minibatch: MiniBatch, count: int) -> list[dict]:
+    """The first ``count`` rows of this step's mini-batch: the prompt exactly as fed to the model
+    (its tokens decoded with special tokens), the completion text and the reward."""
+    batch, samples = minibatch.batch, []
+    prompt_length = batch.input_ids.shape[1] - batch.completion_length
+    for row in range(min(count, batch.input_ids.shape[0])):
+        ids = batch.input_ids[row, :prompt_length][batch.attention_mask[row, :prompt_length].bool()]
+        samples.append(
+            {
+                "prompt": tokenizer.decode(ids.tolist(), skip_special_tokens=False),
+                "completion": batch.completions[row] if row < len(batch.completions) else None,
+                "reward": float(batch.rewards[row]),
+                "advantage": float(minibatch.advantages[row]),
+            }
+        )
+    return samples
+
+
 # ---------------------------------------------------------------------- setup helpers
+def build_config_task(config: TrainConfig):
+    """The task the config names (``tasks.build_task``), with the dataset options."""
+    if config.dataset is None:
+        return build_task(config.task)
+    return build_task(
+        config.task,
+        config.dataset,
+        config.reward,
+        prompt_column=config.prompt_column,
+        answer_column=config.answer_column,
+        system_prompt=config.system_prompt,
+        reward_weights=config.reward_weights or None,
+        correctness_reward=config.correctness_reward,
+    )
+
+
 def resolve_resume(config: TrainConfig) -> TrainConfig:
     """On ``resume``: the run's stored config with ``config``'s values on top, refusing those that
     would change what it trains (``config.resume_config``); the run writes into its own directory."""
@@ -232,11 +287,18 @@ def load_policy(config: TrainConfig, run: RunLog, task, eval_problems, world: Wo
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model, local_files_only=True, dtype=DTYPES[config.dtype]
+        )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.eos_token_id is None:
         raise ValueError(f"model: the tokenizer of {config.model!r} has no end-of-sequence token")
+    if config.uses_embedded_model:
+        model.to(DTYPES[config.dtype])
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False  # the sampler asks for its cache explicitly
     model.eval()  # dropout off everywhere: behaviour and learner log-probs use the same numerics
     steps = config.effective_sft_steps
     if steps and config.resume is None:
@@ -319,6 +381,8 @@ def build_rollout_source(
                 config.seed, rollout_index, groups, config.group_size, config.max_new_tokens
             ),
             all_finished=world.all_true if world.fsdp else None,
+            top_k=config.top_k,
+            top_p=config.top_p,
         )
 
     if config.mode == "sync":
@@ -330,6 +394,8 @@ def build_rollout_source(
             temperature=config.temperature,
             keep_rollout_logprobs=dtype is not None or config.correction is not None,
             world=world,
+            top_k=config.top_k,
+            top_p=config.top_p,
         )
     if config.lag_schedule:
         return LaggedRollouts(

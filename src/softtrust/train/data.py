@@ -1,0 +1,192 @@
+"""Datasets for ``--dataset``: JSONL, JSON, CSV, Parquet or a ``datasets.save_to_disk`` directory.
+
+Every record becomes a ``tasks.Problem``: the prompt column (``--prompt-column``, default
+``prompt``) is a non-empty string or a conversation (a non-empty list of ``{"role",
+"content"}`` messages, TRL's conversational format); the answer column (``--answer-column``,
+default ``answer``) a string or a finite number (written as text); every other column is kept
+and reaches a custom reward as a keyword argument. A bad record is a ``ValueError`` naming
+``dataset``, the file and the line (JSONL) or row (other formats, counted from 1).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_records(path: str | Path) -> list[tuple[str, object]]:
+    """``(where, record)`` pairs of a dataset file or directory, in order.
+
+    ``where`` names the file and the line (JSONL) or row (JSON, CSV, Parquet, a ``datasets``
+    directory) for error messages. A ``datasets.DatasetDict`` directory uses its ``train``
+    split (or its only split).
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _read_datasets_directory(path)
+    if not path.is_file():
+        raise ValueError(f"dataset: {str(path)!r} is neither a file nor a directory")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        records = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((f"{path}:{number}", json.loads(line)))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"dataset: {path}:{number}: not valid JSON ({error})") from error
+        return records
+    if suffix == ".json":
+        try:
+            loaded = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"dataset: {path}: not valid JSON ({error})") from error
+        if isinstance(loaded, dict) and all(isinstance(v, list) for v in loaded.values()) and loaded:
+            lengths = {len(v) for v in loaded.values()}  # column-oriented {"prompt": [...], ...}
+            if len(lengths) != 1:
+                raise ValueError(f"dataset: {path}: columns of different lengths {sorted(lengths)}")
+            loaded = [dict(zip(loaded, row, strict=True)) for row in zip(*loaded.values(), strict=True)]
+        if not isinstance(loaded, list):
+            raise ValueError(
+                f"dataset: {path}: expected a JSON list of records (or an object of equal-length "
+                f"columns), got {type(loaded).__name__}"
+            )
+        return [(f"{path} row {number}", record) for number, record in enumerate(loaded, start=1)]
+    if suffix in (".csv", ".tsv"):
+        with path.open(newline="") as handle:
+            reader = csv.DictReader(handle, delimiter="\t" if suffix == ".tsv" else ",")
+            # row 1 is the first record (the header line is not counted)
+            return [(f"{path} row {number}", dict(row)) for number, row in enumerate(reader, start=1)]
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+        return [(f"{path} row {number}", row) for number, row in enumerate(rows, start=1)]
+    raise ValueError(
+        f"dataset: {str(path)!r} has an unknown extension {suffix!r}; expected .jsonl, .json, .csv, "
+        ".tsv, .parquet or a directory written by datasets' save_to_disk"
+    )
+
+
+def _read_datasets_directory(path: Path) -> list[tuple[str, object]]:
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError as error:  # pragma: no cover - datasets comes with the dev extra
+        raise ValueError(
+            f"dataset: {path} is a directory; reading it needs `pip install datasets`"
+        ) from error
+    try:
+        loaded = load_from_disk(str(path))
+    except Exception as error:
+        raise ValueError(
+            f"dataset: {str(path)!r} is not a directory written by save_to_disk ({error})"
+        ) from error
+    if isinstance(loaded, DatasetDict):
+        if "train" in loaded:
+            loaded = loaded["train"]
+        elif len(loaded) == 1:
+            loaded = next(iter(loaded.values()))
+        else:
+            raise ValueError(f"dataset: {path} holds splits {sorted(loaded)} and none is 'train'")
+    return [(f"{path} row {number}", row) for number, row in enumerate(loaded, start=1)]
+
+
+def check_prompt(value, where: str, column: str):
+    """A prompt as ``Problem`` holds it: the string, or the conversation as a tuple of
+    ``(role, content)`` pairs (hashable). Anything else is a ``ValueError`` naming ``where``."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        messages = []
+        for index, message in enumerate(value):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
+                raise ValueError(
+                    f"dataset: {where}: {column!r} message {index} must be an object with string 'role' "
+                    f"and 'content', got {message!r}"
+                )
+            if message["role"] not in ROLES:
+                raise ValueError(
+                    f"dataset: {where}: {column!r} message {index} has role {message['role']!r}; "
+                    f"expected one of {ROLES}"
+                )
+            messages.append((message["role"], message["content"]))
+        return tuple(messages)
+    raise ValueError(
+        f"dataset: {where}: {column!r} must be a non-empty string or a non-empty list of "
+        f"{{'role', 'content'}} messages, got {value!r}"
+    )
+
+
+def check_answer(value, where: str, column: str) -> str:
+    """The answer as text: a string, or a finite number written as text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"dataset: {where}: {column!r} must be a string or a finite number, got {value!r}")
+    return value
+
+
+def with_system_prompt(prompt, system_prompt: str | None, where: str):
+    """A conversation with ``system_prompt`` first (unless it starts with a system message)."""
+    if system_prompt is None:
+        return prompt
+    if isinstance(prompt, str):
+        raise ValueError(
+            f"system_prompt: applies to conversational prompts, and {where} holds a plain string "
+            "(write the prompt as [{'role': 'user', 'content': ...}] to use the chat template)"
+        )
+    if prompt[0][0] == "system":
+        return prompt
+    return (("system", system_prompt), *prompt)
+
+
+def problems_from_records(
+    records: list[tuple[str, object]],
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    system_prompt: str | None = None,
+    need_answer: bool = True,
+) -> list:
+    """``Problem`` s from ``read_records``' output; the first bad record is a ``ValueError``.
+
+    Every record must have the prompt column, and the answer column when ``need_answer``
+    (the built-in rewards compare with it); prompts must be all strings or all conversations.
+    """
+    from .tasks import Problem
+
+    problems, kind = [], None
+    for where, record in records:
+        if (
+            not isinstance(record, dict)
+            or prompt_column not in record
+            or (need_answer and answer_column not in record)
+        ):
+            wanted = f"{prompt_column!r} and {answer_column!r}" if need_answer else repr(prompt_column)
+            raise ValueError(
+                f"dataset: {where}: expected a JSON object with {wanted}, got {str(record)[:80]!r}"
+            )
+        prompt = with_system_prompt(
+            check_prompt(record[prompt_column], where, prompt_column), system_prompt, where
+        )
+        this_kind = "a plain string" if isinstance(prompt, str) else "a conversation"
+        if kind is not None and this_kind != kind:
+            raise ValueError(
+                f"dataset: {where}: {prompt_column!r} is {this_kind} but earlier records hold {kind}; "
+                "use one prompt format per dataset"
+            )
+        kind = this_kind
+        answer = check_answer(record[answer_column], where, answer_column) if answer_column in record else ""
+        columns = {key: value for key, value in record.items() if key != prompt_column}
+        problems.append(Problem(prompt, answer, columns))
+    if not problems:
+        raise ValueError("dataset: holds no records")
+    return problems

