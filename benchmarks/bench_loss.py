@@ -235,9 +235,15 @@ def main(argv: list[str] | None = None) -> tuple[str, str]:
     parser.add_argument("--reps", type=int, default=30, help="timed repetitions per variant (median)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from _memory import heap_allocations
+
+    heap = heap_allocations()  # no page faults from glibc's dynamic mmap threshold in the timings
     shapes = [(8, 128), (64, 1024), (64, 4096)] if args.quick else GRID + LONG
     reps = 10 if args.quick else args.reps
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {reps} after warm-up")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {reps} after warm-up, "
+        f"glibc heap allocations {'fixed' if heap else 'default'}"
+    )
     table, results = run(shapes, reps)
     text = reading(results, trl_version())
     print(text)

@@ -76,7 +76,8 @@ These are shared, noisy machines: read the ratios measured within one run, not a
 ## Policy loss, forward + backward
 
 `python benchmarks/bench_loss.py` (1 thread; variants timed round-robin, median of 30 after
-warm-up). `TRL VESPO` is `trl.GRPOTrainer.get_gamma_weights` plus TRL's loss expression on
+warm-up; every block served from glibc's heap, `_memory.heap_allocations`, so that page faults
+of freshly mapped blocks do not land on whichever variant allocates next). `TRL VESPO` is `trl.GRPOTrainer.get_gamma_weights` plus TRL's loss expression on
 TRL's int64 mask; `plain` columns are straightforward unfused implementations of the same
 math on a precomputed float mask; softtrust gets a bool mask. The ratio column is
 TRL time / softtrust time (above 1: softtrust is faster).
