@@ -37,12 +37,8 @@ def parse_key_values(text: str, name: str) -> dict:
 
 def _number_if_float(value):
     """A YAML string that Python reads as a float (``1e-6``, ``.5e3``) as that float; else ``value``."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
+    number = _real_number(value) if isinstance(value, str) else None
+    return value if number is None else number
 
 
 def _field_kind(cls, name: str):
@@ -86,13 +82,9 @@ def _coerce(cls, name: str, value):
     elif kind is int:
         return _strict_int(name, value)
     elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _real_number(value)
+        if number is not None:
+            return number
     elif kind is str and isinstance(value, str):
         return value
     raise ValueError(f"{name}: expected {_kind_name(kind)}, got {value!r} ({type(value).__name__})")
@@ -104,16 +96,24 @@ def _list_element(cls, name: str):
     return _strict_float if args and args[0] is float else _strict_int
 
 
-def _strict_float(name: str, value) -> float:
-    """A float from a real number or a decimal string; a bool or anything else is refused."""
+def _real_number(value) -> float | None:
+    """A float from a real number or a decimal string; None for a bool or anything else."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, str):
         try:
             return float(value)
         except ValueError:
-            pass
-    raise ValueError(f"{name}: expected numbers separated by commas, got {value!r}")
+            return None
+    return None
+
+
+def _strict_float(name: str, value) -> float:
+    """A float from a real number or a decimal string; a bool or anything else is refused."""
+    number = _real_number(value)
+    if number is None:
+        raise ValueError(f"{name}: expected numbers separated by commas, got {value!r}")
+    return number
 
 
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
