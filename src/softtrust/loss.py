@@ -356,7 +356,7 @@ class PolicyLoss:
             )
         _check_advantages(advantages, shape)
         check_values = values_are_checked(self.check_values, logprobs.is_cpu)
-        check_count("num_tokens", num_tokens, check_values)
+        check_count("num_tokens", num_tokens, False)  # its value is read with the input sums below
         check_count("num_sequences", num_sequences, check_values)
         if check_values:
             check_mask_values("mask", mask)
@@ -368,13 +368,22 @@ class PolicyLoss:
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1)  # [B, 1]
         raw_log_ratio = (logprobs if self._ratio_in_graph else logprobs.detach()) - old  # [B, T]
-        dense = [x for x in (rollout, ref, advantages) if x is not None and x.shape[-1] != 1]
-        finite = check_values and _all_finite(raw_log_ratio, dense, advantages)
-        if check_values and not finite:
-            _check_active_values(recorded, advantages, mask_f)  # raises on a bad active value
+        given_num_tokens = num_tokens is not None
+        if not given_num_tokens:
+            num_tokens = num_active.sum()
+        finite = False
+        if check_values:  # one host read: the sums that go non-finite with any input, and the count
+            finite, num_tokens = _read_sums(raw_log_ratio, (rollout, ref, advantages), num_tokens)
+            if given_num_tokens:
+                check_count("num_tokens", num_tokens, True)
+            if not finite:
+                _check_active_values(recorded, advantages, mask_f)  # raises on a bad active value
         clamp = self.log_ratio_clamp
         if finite:
-            token_log_ratio = raw_log_ratio.clamp(-clamp, clamp) * mask_f  # [B, T]
+            if raw_log_ratio.requires_grad:
+                token_log_ratio = raw_log_ratio.clamp(-clamp, clamp) * mask_f  # [B, T]
+            else:  # a fresh tensor outside autograd: in place
+                token_log_ratio = raw_log_ratio.clamp_(-clamp, clamp).mul_(mask_f)
             rollout, ref = (None if x is None else x * mask_f for x in (rollout, ref))
             if advantages.shape[-1] != 1:
                 advantages = advantages * mask_f
@@ -399,7 +408,7 @@ class PolicyLoss:
             ref=ref,
             is_log_weight=is_log_weight,
             num_active=num_active,
-            num_tokens=num_active.sum().clamp(min=1) if num_tokens is None else _count(num_tokens, 1),
+            num_tokens=_count(num_tokens, 1),
             num_sequences=_count(num_sequences, shape[0]),
         )
 
@@ -420,18 +429,21 @@ class _Batch(NamedTuple):
     num_sequences: float | torch.Tensor  # >= 1
 
 
-def _all_finite(raw_log_ratio: torch.Tensor, dense: list[torch.Tensor], advantages: torch.Tensor) -> bool:
-    """True when no entry of the inputs is inf or NaN, masked or not (reads values: CPU checks only).
+def _read_sums(
+    raw_log_ratio: torch.Tensor, others: tuple[torch.Tensor | None, ...], num_tokens: float | torch.Tensor
+) -> tuple[bool, float]:
+    """Whether every input is finite everywhere, masked or not, and ``num_tokens`` as a number.
 
-    One sum over every input (``logp - old`` stands for both log-probs): it is non-finite as
-    soon as one term is; the rare overflow of finite terms only costs the ``where`` path.
+    CPU value checks only: one sum per input (``logp - old`` stands for both log-probs),
+    read on the host; a sum is non-finite as soon as one of its terms is, and the rare
+    overflow of finite terms only costs the ``where`` path. A tensor ``num_tokens`` is read
+    too, so the aggregation divides by a number. (On the CPU a read costs less than one
+    more operation to combine the sums.)
     """
-    total = (
-        raw_log_ratio.detach() if raw_log_ratio.requires_grad else raw_log_ratio
-    ).sum() + advantages.sum()
-    for x in dense:
-        total = total + x.sum()
-    return math.isfinite(total.item())
+    sums = [(raw_log_ratio.detach() if raw_log_ratio.requires_grad else raw_log_ratio).sum().item()]
+    sums += [x.sum().item() for x in others if x is not None]
+    finite = all(math.isfinite(value) for value in sums)
+    return finite, num_tokens.item() if isinstance(num_tokens, torch.Tensor) else num_tokens
 
 
 def _check_active_values(recorded: dict, advantages: torch.Tensor, mask: torch.Tensor) -> None:

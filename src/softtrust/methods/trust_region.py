@@ -5,6 +5,7 @@ Every method here gives the plain policy gradient ``A·∇logp`` at r = 1 (PSPO:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,13 +43,28 @@ def clipped_surrogate(
         with_stats: whether to return the clip fractions.
         unclipped: the unclipped branch r̃ (default: ``ratio``).
     """
-    unclipped = ratio if unclipped is None else unclipped
-    loss = -torch.minimum(unclipped * advantages, ratio.clamp(low, high) * advantages)  # [B, T] or [B, 1]
+    negative = -advantages  # the sign rides on the [B, 1] advantages, not on a [B, T] pass
+    if unclipped is None:
+        # -min(r·A, clip(r, low, high)·A) = -A·clamp(r, low_A, high_A): for A > 0 only the
+        # upper bound binds (min(r, high)), for A <= 0 only the lower one (max(r, low))
+        positive = advantages > 0
+        low_a = torch.where(positive, -math.inf, _as_bound(low, ratio))
+        high_a = torch.where(positive, _as_bound(high, ratio), math.inf)
+        loss = ratio.clamp(low_a, high_a) * negative  # [B, T] or [B, 1]
+    else:  # -min(x, y) = max(-x, -y)
+        loss = torch.maximum(unclipped * negative, ratio.clamp(low, high) * negative)
     stats = {}
     if with_stats:
         stats["clip/low"] = (ratio < low) & (advantages < 0)
         stats["clip/high"] = (ratio > high) & (advantages > 0)
     return MethodOutput(loss, stats)
+
+
+def _as_bound(bound: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A clip bound as a 0-dim tensor in ``like``'s dtype (``torch.where`` would give a Python float the default dtype)."""
+    if isinstance(bound, torch.Tensor):
+        return bound.to(like.dtype)
+    return torch.tensor(bound, dtype=like.dtype, device=like.device)
 
 
 @register_method
@@ -163,8 +179,9 @@ class SAPO(Method):
     def loss(self, ctx: LossContext) -> MethodOutput:
         advantages = ctx.advantages  # [B, 1] or [B, T]
         tau = choose(advantages > 0, self.tau_pos, self.tau_neg, advantages)  # [B, 1] or [B, T]
-        gate = torch.sigmoid(tau * (ctx.ratio - 1.0)) * (4.0 / tau)  # [B, T] or [B, 1]
-        return MethodOutput(-gate * advantages)
+        # σ(τ·r - τ) · (-(4/τ)·A): the constants ride on the advantages' shape, one fused τ·r - τ
+        gate = torch.sigmoid(torch.addcmul(-tau, tau, ctx.ratio))  # [B, T] or [B, 1]
+        return MethodOutput(gate * (-4.0 * advantages / tau))
 
 
 @register_method
