@@ -85,18 +85,21 @@ TRL time / softtrust time (above 1: softtrust is faster).
 {loss_table}
 
 How the call is built (`PolicyLoss.__call__`, the same composition for every method: no
-fused twin): on CPU tensors the value checks read one sum over the inputs; when it is
-finite the token log-ratio is masked by a multiply (PyTorch's CPU bool selects run 5-20×
-slower than a multiply), a detached-weight method (VESPO, CISPO) gets its ratio without an
-autograd graph, the method's one formula gives ℓ, and the aggregation is one dot product
-with the mask (its backward is one multiply) or a masked row sum for per-row weights.
+fused twin): on CPU tensors the value checks read one sum per input (and the token count) on
+the host; when they are finite the token log-ratio is masked by a multiply (PyTorch's CPU
+bool selects run 5-20× slower than a multiply), a detached-weight method (VESPO, CISPO) gets
+its log-ratio without an autograd graph and clamps and masks it in place, the method's one
+formula gives ℓ (Clip as `-A·clamp(r, low_A, high_A)` with the bound that binds for A's
+sign, SAPO with its constants on the [B, 1] advantages), and the aggregation is one dot
+product with the mask (its backward is one multiply) or a masked row sum for per-row weights.
 Kernels over the [B, T] inputs in the VESPO column (sequence-sum, token-mean, no metrics):
-mask conversion, the row counts, `logp - old`, the check's sum, the clamp and the mask
+mask conversion, the row counts, `logp - old`, the check's sum, the in-place clamp and mask
 multiply, the row sum of `log r`, `-(φ·A)·logp`, the dot; the backward is two multiplies.
-At the smallest shapes the call is per-operation overhead (about 36 dispatched operations in
-the forward, against TRL's 26, most of the difference being the input checks and the
-masking that makes masked inf/NaN harmless), so softtrust trails TRL by tens of
-microseconds there; from 128 × 512 up memory traffic dominates and the composition wins.
+At the smallest shapes the call is fixed overhead: about 26 dispatched operations in the
+forward (TRL's path: 25) plus the Python of the composition (the input checks, the context,
+the method and the aggregation as separate calls, roughly 100 Python calls), so softtrust
+trails TRL and the plain expressions by tens of microseconds there; as the shape grows
+memory traffic dominates and the composition wins.
 
 Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
 The `+metrics` column adds ratio, log-weight, φ and ESS statistics as 0-dim tensors (no host
