@@ -297,7 +297,11 @@ class DRO(Method):
     level only: the penalty is on each token's log-ratio.
 
     Args:
-        beta: penalty weight β > 0.
+        beta: penalty weight β > 0. The gradient vanishes at ``log r = A/β``, so with
+            group-normalised advantages (``|A| ≈ 1``) β bounds how far a token's ratio
+            drifts: β = 0.05 allows ``log r ≈ 20`` (the clamp: no trust region at all),
+            the default β = 0.5 about ``log r ≈ 2``. On the main job at N = 8, β = 0.05
+            collapses and β = 0.5 trains (docs/methods.md); verl has no default.
 
     References:
         Richemond et al., Offline Regularised Reinforcement Learning for LLM Alignment
@@ -308,7 +312,7 @@ class DRO(Method):
     levels: ClassVar[tuple[str, ...]] = ("token",)
     level_note: ClassVar[str] = "DRO penalises each token's log-ratio"
 
-    beta: float = 0.05
+    beta: float = 0.5
 
     def __post_init__(self) -> None:
         check_number("beta", self.beta, low=0.0, low_inclusive=False)
