@@ -191,6 +191,8 @@ def expected_loss(method, level, aggregation, logprobs, old, advantages, mask, c
         log_ratio = token_log_ratio.sum(-1, keepdim=True).clamp(-clamp, clamp)
     else:
         log_ratio = token_log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        if level == "sequence-mean-token":  # GSPO-token: the mean's value, each token's own gradient
+            log_ratio = sg(log_ratio) + token_log_ratio - sg(token_log_ratio)
     inputs = Inputs(method, torch.exp(log_ratio), token_log_ratio, logprobs, advantages[:, None], m, old)
     per_token = torch.broadcast_to(EXPECTED[method.name](inputs), m.shape)
     return AGGREGATE[aggregation]((per_token * m).sum(-1), m)

@@ -583,3 +583,36 @@ def test_unchecked_mask_is_read_as_nonzero():
 def test_error_check_values_not_a_bool():
     with pytest.raises(ValueError, match="check_values"):
         st.PolicyLoss("clip", check_values="yes")
+
+
+@pytest.mark.parametrize("method", ["clip", "gspo", "sapo", "pspo", "cfpo"])
+def test_gspo_token_level_equals_sequence_mean_unless_a_factor_varies_within_a_row(method):
+    """sequence-mean-token (GSPO-token) has sequence-mean's value; its gradient differs only with a per-token factor.
+
+    Per-sequence advantages and no correction: value and gradient equal. With a token-level
+    TIS weight w_t (token-sum): sequence-mean gives token u of row i
+    ``(Σ_t w_t)·ℓ'(s_i)·s_i / n_i`` (the gradient reaches u through the mean), GSPO-token
+    gives ``w_u·ℓ'(s_i)·s_i``: the ratio of the two is ``w_u / mean_t w_t``."""
+    wide = {"eps_low": 0.5, "eps_high": 0.5} if method in ("clip", "gspo") else {}
+    logprobs, old, advantages, mask = random_batch(spread=0.05, seed=3)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype)
+    plain, weighted = {}, {}
+    for level in ("sequence-mean", "sequence-mean-token"):
+        plain[level] = loss_and_grad(
+            st.PolicyLoss(method, level=level, **wide), logprobs, old, advantages, mask
+        )
+        loss_fn = st.PolicyLoss(
+            method, level=level, correction=st.TIS(cap=2.0), aggregation="token-sum", **wide
+        )
+        weighted[level] = loss_and_grad(loss_fn, logprobs, old, advantages, mask, rollout_logprobs=rollout)
+    (value_mean, grad_mean, _), (value_token, grad_token, _) = plain.values()
+    assert value_token.item() == pytest.approx(value_mean.item(), abs=1e-12)
+    torch.testing.assert_close(grad_token, grad_mean, atol=1e-12, rtol=1e-12)
+
+    m = mask.double()
+    w = torch.exp(old - rollout).clamp(max=2.0) * m  # token TIS weights, cap 2
+    row_mean_weight = w.sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+    (value_mean, grad_mean, _), (value_token, grad_token, _) = weighted.values()
+    assert value_token.item() == pytest.approx(value_mean.item(), abs=1e-12)
+    torch.testing.assert_close(grad_token, grad_mean * w / row_mean_weight, atol=1e-12, rtol=1e-9)
+    assert (grad_token - grad_mean).abs().max() > 1e-4

@@ -173,6 +173,49 @@ def test_vespo_folds_a_sequence_weight_once():
     assert abs(token_loss.item() - loss.item()) > 1e-3
 
 
+@pytest.mark.parametrize(
+    ("method", "mode", "fields", "aggregations"),
+    [
+        ("gspo", "gspo", {"clip_ratio_low": 0.08, "clip_ratio_high": 0.1}, st.AGGREGATIONS),
+        # geo_mean hard-codes a mean over the micro-batch's rows: softtrust's seq-mean over B rows
+        ("gmpo", "geo_mean", {"clip_ratio_low": 0.4, "clip_ratio_high": 0.4}, ("seq-mean-token-mean",)),
+    ],
+)
+@pytest.mark.parametrize("global_info", [False, True])
+def test_token_level_weights_on_sequence_methods_match_verl_live(
+    method, mode, fields, aggregations, global_info
+):
+    """Token IS weights on GSPO and GMPO: verl's own gspo / geo_mean, run now on the same inputs.
+
+    verl's gspo gives token t its own weight through GSPO-token's ratio (the adapter runs
+    GSPO at ``sequence-mean-token``); geo_mean multiplies each sequence by the geometric
+    mean of its token weights (the adapter reads them per sequence for GMPO)."""
+    weights = verl_weights({"kind": "TIS", "cap": 2.0, "level": "token"})
+    mask = INPUTS["mask"]
+    info = {}
+    if global_info:
+        info = {"dp_size": 2, "batch_num_tokens": 3 * int(mask.sum()), "global_batch_size": 3 * mask.shape[0]}
+    if mode == "geo_mean":
+        info = {"global_batch_size": mask.shape[0]}
+    peer_config = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, **fields)
+    peer_config.global_batch_info.update(info)
+    for aggregation in aggregations:
+        loss, grad, _ = run(
+            get_policy_loss_fn(f"softtrust.{method}"), aggregation, actor_config(fields, info), weights
+        )
+        peer_aggregation = "token-mean" if mode == "geo_mean" else aggregation
+        peer_loss, peer_grad, _ = run(get_policy_loss_fn(mode), peer_aggregation, peer_config, weights)
+        assert loss.item() == pytest.approx(peer_loss.item(), abs=1e-6, rel=1e-6), aggregation
+        torch.testing.assert_close(grad, peer_grad, atol=1e-6, rtol=1e-6)
+        assert grad.abs().sum() > 0
+    # the plain sequence-mean reading gives each token its row's mean weight: another gradient
+    if method == "gspo":
+        plain = actor_config(fields, info, softtrust={"level": "sequence-mean"})
+        _, plain_grad, _ = run(get_policy_loss_fn("softtrust.gspo"), "token-mean", plain, weights)
+        _, peer_grad, _ = run(get_policy_loss_fn("gspo"), "token-mean", peer_config, weights)
+        assert (plain_grad - peer_grad).abs().max() > 1e-4
+
+
 def test_vespo_refuses_weights_of_unknown_level():
     """verl's untouched default rollout_correction (rollout_is='sequence' whatever the algorithm uses) is not read."""
     config = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)

@@ -8,10 +8,18 @@ Notation (METHODS.md): ``logp = log π_θ``, ``old = log μ`` (the behaviour pol
 | ``token``         | ``log r_t``                             | [B, T]  | PPO/GRPO, CISPO, SAPO, PSPO, CFPO |
 | ``sequence-mean`` | ``log s_i = Σ_t m·log r_t / Σ_t m``     | [B, 1]  | GSPO, GMPO         |
 | ``sequence-sum``  | ``log W_i = Σ_t m·log r_t``             | [B, 1]  | VESPO              |
+| ``sequence-mean-token`` | ``log s_i`` in value; ``∂/∂logp_t = 1`` | [B, T] | GSPO-token (verl's ``gspo``) |
 
 Sequence levels are kept as [B, 1] and broadcast against [B, T] tensors, so a
 sequence-level method does O(B) work for its ratio. The gradient flows through the
 sum or the mean: ``∂ log s_i / ∂ logp_t = m_t / Σ m`` and ``∂ log W_i / ∂ logp_t = m_t``.
+
+``sequence-mean-token`` is GSPO-token (Zheng et al., arXiv:2507.18071, eq. 13):
+``log s_i,t = sg(log s_i) + logp_t - sg(logp_t)``, the sequence-mean value on every token
+with the gradient of the token's own log-prob. With a per-sequence advantage and no
+per-token factor it gives GSPO's value and gradient; with a per-token factor (token
+advantages, a token-level behaviour weight) token t's gradient carries its own factor,
+where ``sequence-mean`` gives every token of the row the row's mean factor.
 
 Every log-ratio is clamped to ``[-clamp, clamp]`` before any ``exp`` (default 20,
 ``e^20 ≈ 4.9e8``): beyond it the ratio is astronomically off-policy, every method
@@ -36,7 +44,9 @@ import torch
 
 from softtrust._validation import check_choice
 
-LEVELS = ("token", "sequence-mean", "sequence-sum")
+#: sequence levels that keep one log-ratio per sequence, [B, 1]
+SEQUENCE_LEVELS = ("sequence-mean", "sequence-sum")
+LEVELS = ("token", *SEQUENCE_LEVELS, "sequence-mean-token")
 DEFAULT_LOG_RATIO_CLAMP = 20.0
 
 
@@ -74,13 +84,13 @@ def level_log_ratio(
 
     Args:
         token_log_ratio: [B, T] from :func:`clamped_log_ratio`.
-        level: ``"token"``, ``"sequence-mean"`` or ``"sequence-sum"``.
+        level: one of :data:`LEVELS`.
         num_active: [B, 1] count of active tokens per row.
         clamp: bound applied to the sequence sum, so ``exp(log W)`` stays finite.
 
     Returns:
-        [B, T] for ``token``; [B, 1] for the sequence levels. A row with no active
-        token gets log-ratio 0 (ratio 1), never 0/0.
+        [B, T] for ``token`` and ``sequence-mean-token``; [B, 1] for the sequence
+        levels. A row with no active token gets log-ratio 0 (ratio 1), never 0/0.
     """
     check_choice("level", level, LEVELS)
     if level == "token":
@@ -88,4 +98,7 @@ def level_log_ratio(
     total = token_log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]
     if level == "sequence-sum":
         return total.clamp(-clamp, clamp)  # [B, 1]; a product of T ratios can overflow exp
-    return total / num_active.clamp(min=1)  # [B, 1]; clamp(min=1): empty rows give 0, not NaN
+    mean = total / num_active.clamp(min=1)  # [B, 1]; clamp(min=1): empty rows give 0, not NaN
+    if level == "sequence-mean":
+        return mean
+    return token_log_ratio - token_log_ratio.detach() + mean.detach()  # [B, T]: GSPO-token

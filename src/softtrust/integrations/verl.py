@@ -16,7 +16,7 @@ What verl hands the loss, and where it goes:
 | ``advantages`` [B, T], ``response_mask`` | ``advantages``, ``mask``                                 |
 | ``loss_agg_mode``                      | ``aggregation`` (the caller's choice, for every method)   |
 | ``global_batch_info``                  | ``num_tokens = batch_num_tokens``, ``num_sequences = global_batch_size``, ``max_completion_length = loss_scale_factor``; the loss times ``dp_size`` |
-| ``rollout_is_weights``                 | a behaviour-correction weight: multiplies the per-token loss, or is folded into W by VESPO |
+| ``rollout_is_weights``                 | a behaviour-correction weight: multiplies the per-token loss (GMPO: their geometric mean per sequence, as verl's ``geo_mean``), or is folded into W by VESPO |
 
 Parameters, lowest precedence first: the method's defaults; verl's own fields, read as
 verl reads them for the matching built-in loss (:data:`VERL_FIELDS`); the dict
@@ -77,6 +77,9 @@ PREFIX = "softtrust."
 #: keys of ``policy_loss.softtrust`` that are not method parameters
 OPTIONS = ("level", "log_ratio_clamp", "rollout_is")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
+#: methods whose verl peer reads token-level IS weights per sequence, as their geometric mean
+#: (verl's ``geo_mean``: ``exp(mean_t log w_t)`` multiplies the sequence loss)
+WEIGHTS_PER_SEQUENCE = {"gmpo": "sequence"}
 
 __all__ = [
     "OPTIONS",
@@ -288,7 +291,7 @@ def _build(
     if key not in _CACHE:
         _CACHE[key] = PolicyLoss(
             method,
-            level=options.get("level"),
+            level=_level(method, options),
             correction=None if correction_level is None else _correction(correction_level, clamp),
             aggregation=aggregation,
             log_ratio_clamp=clamp,
@@ -296,6 +299,22 @@ def _build(
             **params,
         )
     return _CACHE[key]
+
+
+def _level(method: str, options: dict) -> str | None:
+    """The ratio level: the user's ``softtrust.level``, else verl's reading of the method.
+
+    verl's sequence-level ratio is GSPO-token (``sg(s_i)·π_t/sg(π_t)``), so a method whose
+    own level is ``sequence-mean`` runs at ``sequence-mean-token`` when it accepts it: the
+    same value and gradient as ``sequence-mean`` unless a per-token factor (token-level IS
+    weights) multiplies the loss, where token t then carries its own weight, as in verl.
+    """
+    if options.get("level") is not None:
+        return options["level"]
+    cls = METHODS[method]
+    if cls.default_level == "sequence-mean" and "sequence-mean-token" in cls.levels:
+        return "sequence-mean-token"
+    return None
 
 
 def _metric_value(value: Any) -> float:
@@ -342,7 +361,10 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
             num_sequences = active if active > 0 else None
         rollout, level = None, None
         if rollout_is_weights is not None:  # folded into W (VESPO) at their level, else a per-token factor
-            level = _rollout_is_level(config, options) if METHODS[method].folds_correction else "token"
+            if METHODS[method].folds_correction:
+                level = _rollout_is_level(config, options)
+            else:
+                level = WEIGHTS_PER_SEQUENCE.get(method, "token")
         loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
         if rollout_is_weights is not None:
             rollout = _weights_as_rollout_logprobs(

@@ -18,7 +18,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from softtrust.ratios import LEVELS
+from softtrust.ratios import SEQUENCE_LEVELS
 
 
 class LossContext(NamedTuple):
@@ -102,7 +102,8 @@ class Method:
     #: level used when PolicyLoss(level=None)
     default_level: ClassVar[str] = "token"
     #: levels the method accepts; others are refused at construction with a reason
-    levels: ClassVar[tuple[str, ...]] = LEVELS
+    #: (``sequence-mean-token`` only where the ratio sits in the graph: it changes only the gradient)
+    levels: ClassVar[tuple[str, ...]] = ("token", *SEQUENCE_LEVELS)
     #: why the other levels are refused (shown in the error)
     level_note: ClassVar[str] = ""
     #: True: a behaviour correction's log-weight is added to the log-ratio (VESPO);

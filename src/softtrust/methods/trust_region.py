@@ -14,6 +14,8 @@ import torch
 from softtrust._validation import check_number
 from softtrust.methods.base import LossContext, Method, MethodOutput, choose, register_method
 
+# the levels of a method whose ratio sits in the graph: token, GSPO's mean, and GSPO-token
+_RATIO_LEVELS = ("token", "sequence-mean", "sequence-mean-token")
 _SUM_LEVEL_NOTE = (
     "at 'sequence-sum' the ratio W_i (a product of n_i token ratios) sits in the graph, so the per-token "
     "gradient is n_i times the on-policy one; use 'token' or 'sequence-mean' (GSPO), or a REINFORCE-style "
@@ -95,7 +97,7 @@ class Clip(Method):
     """
 
     name: ClassVar[str] = "clip"
-    levels: ClassVar[tuple[str, ...]] = ("token", "sequence-mean")
+    levels: ClassVar[tuple[str, ...]] = _RATIO_LEVELS
     level_note: ClassVar[str] = _SUM_LEVEL_NOTE
 
     eps_low: float = 0.2
@@ -166,7 +168,7 @@ class SAPO(Method):
     """
 
     name: ClassVar[str] = "sapo"
-    levels: ClassVar[tuple[str, ...]] = ("token", "sequence-mean")
+    levels: ClassVar[tuple[str, ...]] = _RATIO_LEVELS
     level_note: ClassVar[str] = _SUM_LEVEL_NOTE
 
     tau_pos: float = 1.0
@@ -201,7 +203,7 @@ class PSPO(Method):
     """
 
     name: ClassVar[str] = "pspo"
-    levels: ClassVar[tuple[str, ...]] = ("token", "sequence-mean")
+    levels: ClassVar[tuple[str, ...]] = _RATIO_LEVELS
     level_note: ClassVar[str] = _SUM_LEVEL_NOTE
 
     alpha: float = 0.1
@@ -231,7 +233,7 @@ class CFPO(Method):
     """
 
     name: ClassVar[str] = "cfpo"
-    levels: ClassVar[tuple[str, ...]] = ("token", "sequence-mean")
+    levels: ClassVar[tuple[str, ...]] = _RATIO_LEVELS
     level_note: ClassVar[str] = _SUM_LEVEL_NOTE
 
     eps: float = 0.2

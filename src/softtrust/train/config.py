@@ -135,7 +135,8 @@ class TrainConfig:
         metadata={"help": "Method parameters as k=v pairs, e.g. 'k_pos=2,lambda_pos=3' or 'eps_high=0.28'."},
     )
     level: str | None = _field(
-        None, "Ratio level: token | sequence-mean | sequence-sum (default: the method's own)."
+        None,
+        "Ratio level: token | sequence-mean | sequence-sum | sequence-mean-token (GSPO-token) (default: the method's own).",
     )
     aggregation: str = _field("token-mean", "Loss aggregation: " + " | ".join(AGGREGATIONS) + ".")
     correction: str | None = _field(
