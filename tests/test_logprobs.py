@@ -426,6 +426,45 @@ def test_completion_logprobs_match_the_model_logits_in_value_and_gradient(tiny_l
         assert got.abs().max() > 0
 
 
+@pytest.mark.parametrize("keep", [1, 4])
+def test_shared_prompts_match_the_model_logits_in_value_and_every_parameter_gradient(tiny_lm, keep):
+    """Rows in groups of one (left-padded) prompt: the prompt runs once per group, its KV cache is
+    repeated; log-probs and the gradient of every parameter equal the full model forward's."""
+    from softtrust._shared_prompt import prompt_group_size
+
+    tokenizer, model = tiny_lm
+    model = model.double()
+    prompts = tokenizer(["12+30=", "7*6="], return_tensors="pt", padding=True)  # left padding
+    group, length = 3, prompts["input_ids"].shape[1]
+    gen = torch.Generator().manual_seed(2)
+    completions = torch.randint(3, model.config.vocab_size, (2 * group, keep), generator=gen)
+    input_ids = torch.cat([prompts["input_ids"].repeat_interleave(group, 0), completions], 1)
+    attention_mask = torch.cat(
+        [prompts["attention_mask"].repeat_interleave(group, 0), torch.ones_like(completions)], 1
+    )
+    attention_mask[0, -1] = 0  # a completion that ended early
+    assert prompt_group_size(input_ids, attention_mask, length) == group
+    assert prompt_group_size(input_ids[1:], attention_mask[1:], length) == 1  # groups of 2 and 3
+    upstream_grad = torch.randn(2 * group, keep, generator=gen, dtype=torch.float64)
+    params = list(model.parameters())
+
+    def grads_of(logprobs):
+        return torch.autograd.grad((logprobs * upstream_grad).sum(), params, allow_unused=True)
+
+    logprobs = completion_logprobs(model, input_ids, attention_mask, keep)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -keep - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, -keep:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected, atol=1e-12, rtol=1e-12)
+    # HF's RMSNorm casts to float32 even in a float64 model, so its backward rounds the G
+    # copies' summed gradient at float32 precision: equal to float32 rounding
+    for got, want in zip(grads_of(logprobs), grads_of(expected), strict=True):
+        if want is None:
+            assert got is None or got.abs().max() == 0
+            continue
+        torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item() + 1e-12, rtol=1e-5)
+    model.float()
+
+
 def test_completion_logprobs_rejects_bad_logits_to_keep(tiny_lm):
     _, model = tiny_lm
     input_ids = torch.ones(2, 4, dtype=torch.long)

@@ -39,6 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from softtrust import _triton
+from softtrust._shared_prompt import completion_hidden
 from softtrust._tiles import (
     _accumulation_dtype,
     _add_matmul,
@@ -221,6 +222,7 @@ def completion_logprobs(
     chunk_size: int | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    share_prompts: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the last ``logits_to_keep`` tokens of ``input_ids`` under a Hugging Face causal LM.
 
@@ -243,6 +245,10 @@ def completion_logprobs(
         with_entropy: also return the per-token entropy.
         chunk_size: tokens per tile, passed to ``token_logprobs``.
         top_k, top_p: score the truncated sampling policy (``token_logprobs``).
+        share_prompts: when the rows are consecutive groups of one prompt (GRPO's G
+            completions per prompt: same prompt ids and mask), run each prompt once and
+            repeat its KV cache (``softtrust._shared_prompt``): the same log-probs and
+            gradients up to float rounding, G x less prompt work.
 
     Returns:
         [B, K] float32 log-probs, and the [B, K] entropies when ``with_entropy``.
@@ -255,9 +261,8 @@ def completion_logprobs(
         )
     _check_plain_lm_head(model)
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    outputs = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     # Position t predicts token t + 1, so the last position predicts nothing.
-    hidden = outputs.last_hidden_state[:, -logits_to_keep - 1 : -1]  # [B, K, d]
+    hidden = completion_hidden(body, input_ids, attention_mask, logits_to_keep, share_prompts)  # [B, K, d]
     labels = input_ids[:, -logits_to_keep:]  # [B, K]
     if completion_mask is not None:
         check_shape("completion_mask", completion_mask, (batch, logits_to_keep), "(B, logits_to_keep)")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from softtrust._shared_prompt import cache_argument
 from softtrust.logprobs import completion_logprobs
 from softtrust.truncation import sample_truncated, truncated_log_softmax, truncates
 
@@ -132,7 +133,9 @@ class RolloutBatch:
 
 def cache_argument_name(model) -> str:
     """``cache`` (transformers >= 5) or ``past_key_values`` (older), whichever forward takes."""
-    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
+    if getattr(model, "wraps_causal_lm", False):  # distributed.PolicyForward: look inside
+        model = model.model
+    return cache_argument(model)
 
 
 def _forward_parameters(model):
