@@ -6,6 +6,7 @@ no warm start, and a handful of steps, so the whole file runs in about a minute.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -139,6 +140,19 @@ def test_staleness_one_is_on_policy_every_ratio_is_exactly_one(micro_model_dir, 
         assert m["lag"] == 0
     # ... while the model did move (the ratios are 1 because old == current, not by accident).
     assert any(m["grad_norm"] > 0 for m in metrics)
+
+
+def test_kl_mismatch_reads_the_samplers_numbers_against_the_learners(micro_model_dir, tmp_path):
+    """kl_mismatch is the k3-KL of the sampler's log-probs against the trainer's for the same policy:
+    fp32 sampling gives the learner's numbers up to rounding; bf16 scoring moves them."""
+    exact = micro_config(micro_model_dir, tmp_path / "fp32", staleness=1, max_steps=2, method="clip")
+    train(exact)
+    bf16 = micro_config(micro_model_dir, tmp_path / "bf16", staleness=1, max_steps=2, method="clip")
+    train(dataclasses.replace(bf16, mismatch="bf16"))
+    fp32_kl = [m["kl_mismatch"] for m in read_metrics(tmp_path / "fp32")]
+    bf16_kl = [m["kl_mismatch"] for m in read_metrics(tmp_path / "bf16")]
+    assert all(0.0 <= kl < 1e-8 for kl in fp32_kl), fp32_kl
+    assert all(kl > 100 * max(max(fp32_kl), 1e-10) for kl in bf16_kl), (fp32_kl, bf16_kl)
 
 
 # ---------------------------------------------------------------------- 2. asynchronous lag

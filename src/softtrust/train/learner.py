@@ -174,6 +174,9 @@ def policy_update(
     metrics = world.reduce_metrics(metrics, weight=float(mask.sum()))
     metrics["loss"] = world.sum(total_loss)
     metrics["kl_behaviour"] = behaviour_kl(logprobs, old_logprobs, mask[: logprobs.shape[0]], world)
+    # the train/inference mismatch: the sampler's numbers μ against the trainer's for the same policy
+    sampler = batch.rollout_logprobs[: logprobs.shape[0]].to(device)
+    metrics["kl_mismatch"] = behaviour_kl(old_logprobs, sampler, mask[: logprobs.shape[0]], world)
     grad_norm = math.nan
     if finite:
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
