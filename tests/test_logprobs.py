@@ -426,26 +426,42 @@ def test_completion_logprobs_match_the_model_logits_in_value_and_gradient(tiny_l
         assert got.abs().max() > 0
 
 
-@pytest.mark.parametrize("keep", [1, 4])
-def test_shared_prompts_match_the_model_logits_in_value_and_every_parameter_gradient(tiny_lm, keep):
-    """Rows in groups of one (left-padded) prompt: the prompt runs once per group, its KV cache is
-    repeated; log-probs and the gradient of every parameter equal the full model forward's."""
-    from softtrust._shared_prompt import prompt_group_size
-
-    tokenizer, model = tiny_lm
-    model = model.double()
+def grouped_batch(tokenizer, keep, group=3):
+    """Two left-padded prompts, ``group`` random completions each (consecutive rows), one ending early."""
     prompts = tokenizer(["12+30=", "7*6="], return_tensors="pt", padding=True)  # left padding
-    group, length = 3, prompts["input_ids"].shape[1]
     gen = torch.Generator().manual_seed(2)
-    completions = torch.randint(3, model.config.vocab_size, (2 * group, keep), generator=gen)
+    completions = torch.randint(3, tokenizer.vocab_size, (2 * group, keep), generator=gen)
     input_ids = torch.cat([prompts["input_ids"].repeat_interleave(group, 0), completions], 1)
     attention_mask = torch.cat(
         [prompts["attention_mask"].repeat_interleave(group, 0), torch.ones_like(completions)], 1
     )
     attention_mask[0, -1] = 0  # a completion that ended early
-    assert prompt_group_size(input_ids, attention_mask, length) == group
-    assert prompt_group_size(input_ids[1:], attention_mask[1:], length) == 1  # groups of 2 and 3
-    upstream_grad = torch.randn(2 * group, keep, generator=gen, dtype=torch.float64)
+    return input_ids, attention_mask, prompts["input_ids"].shape[1]
+
+
+def test_prompt_groups_finds_runs_of_one_prompt(tiny_lm):
+    from softtrust._shared_prompt import prompt_groups
+
+    input_ids, attention_mask, length = grouped_batch(tiny_lm[0], keep=4)
+    first_rows, index = prompt_groups(input_ids, attention_mask, length)
+    assert first_rows.tolist() == [0, 3] and index.tolist() == [0, 0, 0, 1, 1, 1]
+    first_rows, index = prompt_groups(input_ids[1:], attention_mask[1:], length)  # runs of 2 and 3
+    assert first_rows.tolist() == [0, 2] and index.tolist() == [0, 0, 1, 1, 1]
+    assert prompt_groups(input_ids[2:4], attention_mask[2:4], length) is None  # two distinct prompts
+    other_mask = attention_mask.clone()
+    other_mask[1, 0] = 1 - other_mask[1, 0]  # same ids, another mask: not the same prompt
+    assert prompt_groups(input_ids[:2], other_mask[:2], length) is None
+
+
+@pytest.mark.parametrize("keep", [1, 4])
+def test_shared_prompts_match_the_model_logits_in_value_and_every_parameter_gradient(tiny_lm, keep):
+    """Rows in runs of one (left-padded) prompt: each prompt runs once, its KV cache is selected
+    per row; log-probs and the gradient of every parameter equal the full model forward's."""
+    tokenizer, model = tiny_lm
+    model = model.double()
+    input_ids, attention_mask, _ = grouped_batch(tokenizer, keep)
+    gen = torch.Generator().manual_seed(3)
+    upstream_grad = torch.randn(input_ids.shape[0], keep, generator=gen, dtype=torch.float64)
     params = list(model.parameters())
 
     def grads_of(logprobs):
@@ -463,6 +479,69 @@ def test_shared_prompts_match_the_model_logits_in_value_and_every_parameter_grad
             continue
         torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item() + 1e-12, rtol=1e-5)
     model.float()
+
+
+@pytest.mark.parametrize("micro_batch_size", [3, 5, None])
+def test_behaviour_forward_runs_the_learners_micro_batches_bit_for_bit(tiny_lm, micro_batch_size):
+    """The trainer's behaviour log-probs equal the learner's, piece by piece, exactly: lag-0 ratios
+    stay 1 even when a micro-batch splits a group (where a row's shared prompt runs in another
+    batch shape than over the whole mini-batch; here that moves log-probs by ~5e-7)."""
+    from softtrust.train.rollout import RolloutBatch, sequence_logprobs
+    from softtrust.train.staleness import behaviour_logprobs, row_pieces
+
+    tokenizer, model = tiny_lm
+    input_ids, attention_mask, _ = grouped_batch(tokenizer, keep=4, group=4)
+    batch = RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=attention_mask[:, -4:],
+        rollout_logprobs=torch.zeros(8, 4),
+        rewards=torch.zeros(8),
+    )
+    with torch.no_grad():
+        behaviour = behaviour_logprobs(model, batch, 1.0, micro_batch_size=micro_batch_size)
+        learner = torch.cat(
+            [
+                sequence_logprobs(model, input_ids[rows], attention_mask[rows], 4)
+                for rows in row_pieces(8, micro_batch_size)
+            ]
+        )
+    assert torch.equal(behaviour, learner)
+
+
+def test_activation_checkpointing_and_dropout_run_every_row_in_full(tiny_lm):
+    """torch's checkpoint_wrapper recomputes a layer in backward (a cache would be written twice);
+    active dropout would give a group's copies one draw: both take the plain forward."""
+    import copy
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    from softtrust._shared_prompt import can_share
+
+    tokenizer, model = tiny_lm
+    input_ids, attention_mask, _ = grouped_batch(tokenizer, keep=4)
+    wrapped = copy.deepcopy(model)
+    layer = type(wrapped.model.layers[0])
+    apply_activation_checkpointing(
+        wrapped,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda module: isinstance(module, layer),
+    )
+    assert can_share(model.model) and not can_share(wrapped.model)
+    logprobs = completion_logprobs(wrapped, input_ids, attention_mask, 4)
+    logprobs.sum().backward()  # no second write into a cache
+    torch.testing.assert_close(logprobs, completion_logprobs(model, input_ids, attention_mask, 4), **FP32_TOL)
+    dropout = copy.deepcopy(model).train()
+    dropout.model.layers[0].mlp.register_module("drop", torch.nn.Dropout(0.1))
+    assert not can_share(dropout.model)
+    assert can_share(dropout.model.eval())
 
 
 def test_completion_logprobs_rejects_bad_logits_to_keep(tiny_lm):

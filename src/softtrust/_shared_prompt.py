@@ -1,15 +1,20 @@
 """The model body over prompt + completion, running each distinct prompt once.
 
-GRPO scores G completions of every prompt: the rows come in groups of G that share their
-prompt, and a plain forward over ``[B, P + K]`` runs every prompt G times. With a KV cache
-the prompt runs once per group and its keys and values are repeated G times for the
-completion positions (``transformers``' ``Cache.batch_repeat_interleave``); the backward
-sums the G copies' gradients into the one prompt pass. Same function, G x less prompt work
-(for a chat template's system prompt and a short completion, the prompt is most of the tokens).
+GRPO scores G completions of every prompt: consecutive rows share their prompt, and a plain
+forward over ``[B, P + K]`` runs every prompt G times. With a KV cache each run of equal
+prompts is computed once and its keys and values are selected for every row of the run
+(``transformers``' ``Cache.batch_select_indices``); the backward sums the copies' gradients
+into the one prompt pass. Same function, G x less prompt work (for a chat template's system
+prompt and a short completion, the prompt is most of the tokens).
 
 Position ids are the body's defaults in both forms (``0 .. P+K-1``), and the attention mask
 covers the cached prompt and the completion, so the hidden states equal the plain forward's
-up to float rounding (tested in float64).
+(exactly in float64; tested). A row's prompt is computed the same way whichever other rows
+share the batch, so a micro-batch that splits a group gives its rows the same numbers.
+
+Not shared (one plain forward instead): activation checkpointing (transformers' or
+``torch``'s ``checkpoint_wrapper``: the recomputation would write the cache twice), dropout
+active in training mode (the copies would share one dropout draw), a 4-D attention mask.
 """
 
 from __future__ import annotations
@@ -25,21 +30,37 @@ def cache_argument(module: Any) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def prompt_group_size(
+def prompt_groups(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, prompt_length: int
-) -> int:
-    """G when the rows are consecutive groups of G copies of one prompt (ids and mask), else 1."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Runs of consecutive rows with the same prompt (ids and mask): ``(first_rows, index)`` or None.
+
+    ``first_rows`` [R]: the first row of each run; ``index`` [B]: the run of each row
+    (``0, 0, 0, 1, 1, ...``). None when no two consecutive rows share their prompt.
+    """
     batch = input_ids.shape[0]
     if batch < 2 or prompt_length < 1:
-        return 1
+        return None
     prompts = input_ids[:, :prompt_length]
     if attention_mask is not None:
         prompts = torch.cat([prompts, attention_mask[:, :prompt_length].to(prompts.dtype)], dim=-1)
-    same_as_first = (prompts == prompts[0]).all(dim=-1)
-    group = int(same_as_first.long().cumprod(0).sum())  # the first run of rows equal to row 0
-    if group < 2 or batch % group:
-        return 1
-    return group if torch.equal(prompts, prompts[::group].repeat_interleave(group, 0)) else 1
+    starts = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+    starts[1:] = (prompts[1:] != prompts[:-1]).any(dim=-1)
+    if bool(starts.all()):
+        return None
+    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1
+
+
+def can_share(body: Any) -> bool:
+    """Whether running a prompt once per run gives the plain forward's function (see the module docstring)."""
+    if body.training and float(getattr(getattr(body, "config", None), "attention_dropout", 0.0) or 0.0) > 0:
+        return False
+    for module in body.modules():
+        if getattr(module, "gradient_checkpointing", False) or hasattr(module, "_checkpoint_wrapped_module"):
+            return False
+        if module.training and isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return False
+    return True
 
 
 def completion_hidden(
@@ -51,27 +72,27 @@ def completion_hidden(
 ) -> torch.Tensor:
     """``[B, K, d]`` hidden states at the positions that predict the last K tokens (``P - 1 .. L - 2``).
 
-    With ``share_prompts`` and rows in groups of one prompt (:func:`prompt_group_size`),
-    the prompt runs once per group; otherwise (or when the body returns no cache, e.g.
-    under gradient checkpointing) one plain forward over every row.
+    With ``share_prompts``, rows in runs of one prompt (:func:`prompt_groups`) and a body
+    where sharing is exact (:func:`can_share`), each prompt runs once; otherwise (or when
+    the body returns no cache) one plain forward over every row.
     """
-    length = input_ids.shape[1]
-    prompt = length - completion_length
-    group = prompt_group_size(input_ids, attention_mask, prompt) if share_prompts else 1
-    if group > 1 and not getattr(body, "gradient_checkpointing", False):
+    prompt = input_ids.shape[1] - completion_length
+    two_dim = attention_mask is None or attention_mask.dim() == 2
+    groups = prompt_groups(input_ids, attention_mask, prompt) if share_prompts and two_dim else None
+    if groups is not None and can_share(body):
+        first_rows, index = groups
         name = cache_argument(body)
-        rows = slice(None, None, group)
         first = body(
-            input_ids=input_ids[rows, :prompt],
-            attention_mask=None if attention_mask is None else attention_mask[rows, :prompt],
+            input_ids=input_ids[first_rows, :prompt],
+            attention_mask=None if attention_mask is None else attention_mask[first_rows, :prompt],
             use_cache=True,
         )
         cache = getattr(first, name, None)
         if cache is not None:
-            last = first.last_hidden_state[:, -1:].repeat_interleave(group, 0)  # predicts token P
+            last = first.last_hidden_state[index, -1:]  # predicts token P
             if completion_length == 1:
                 return last
-            cache.batch_repeat_interleave(group)
+            cache.batch_select_indices(index)
             rest = body(
                 input_ids=input_ids[:, prompt:-1],
                 attention_mask=None if attention_mask is None else attention_mask[:, :-1],

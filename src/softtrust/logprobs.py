@@ -245,10 +245,11 @@ def completion_logprobs(
         with_entropy: also return the per-token entropy.
         chunk_size: tokens per tile, passed to ``token_logprobs``.
         top_k, top_p: score the truncated sampling policy (``token_logprobs``).
-        share_prompts: when the rows are consecutive groups of one prompt (GRPO's G
-            completions per prompt: same prompt ids and mask), run each prompt once and
-            repeat its KV cache (``softtrust._shared_prompt``): the same log-probs and
-            gradients up to float rounding, G x less prompt work.
+        share_prompts: when consecutive rows share their prompt (GRPO's G completions per
+            prompt: same prompt ids and mask), run each prompt once and select its KV cache
+            for every row (``softtrust._shared_prompt``; not under activation checkpointing
+            or active dropout): the same log-probs and gradients up to float rounding, G x
+            less prompt work.
 
     Returns:
         [B, K] float32 log-probs, and the [B, K] entropies when ``with_entropy``.

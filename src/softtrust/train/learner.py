@@ -15,7 +15,7 @@ from softtrust._metrics import reduction_of
 from .config import TrainConfig
 from .distributed import World, full_model_state, full_tensor, policy_logprobs
 from .rollout import greedy_accuracy, sequence_logprobs
-from .staleness import MiniBatch
+from .staleness import MiniBatch, row_pieces
 
 
 @dataclass
@@ -97,8 +97,7 @@ def policy_update(
     if config.gradient_checkpointing:
         checkpoint_layers(policy)
     # --micro-batch-size: forward/backward in pieces of rows, gradients accumulated
-    size = config.micro_batch_size or mask.shape[0]
-    pieces = [slice(start, start + size) for start in range(0, mask.shape[0], size)] or [slice(0, 0)]
+    pieces = row_pieces(mask.shape[0], config.micro_batch_size)
     normalisers = {}
     if (
         world.distributed or len(pieces) > 1
@@ -174,9 +173,10 @@ def policy_update(
     metrics = world.reduce_metrics(metrics, weight=float(mask.sum()))
     metrics["loss"] = world.sum(total_loss)
     metrics["kl_behaviour"] = behaviour_kl(logprobs, old_logprobs, mask[: logprobs.shape[0]], world)
-    # the train/inference mismatch: the sampler's numbers μ against the trainer's for the same policy
-    sampler = batch.rollout_logprobs[: logprobs.shape[0]].to(device)
-    metrics["kl_mismatch"] = behaviour_kl(old_logprobs, sampler, mask[: logprobs.shape[0]], world)
+    if config.mode == "sync":  # the train/inference mismatch: the sampler's numbers μ against the
+        # trainer's for the same policy (async trains on the sampler's own numbers: nothing to compare)
+        sampler = batch.rollout_logprobs[: logprobs.shape[0]].to(device)
+        metrics["kl_mismatch"] = behaviour_kl(old_logprobs, sampler, mask[: logprobs.shape[0]], world)
     grad_norm = math.nan
     if finite:
         max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf

@@ -201,30 +201,52 @@ def check_kind(source: RolloutSource, state: dict) -> None:
 
 
 @torch.no_grad()
+def row_pieces(rows: int, micro_batch_size: int | None) -> list[slice]:
+    """The learner's micro-batches of a mini-batch of ``rows`` rows (``--micro-batch-size``; None: one)."""
+    size = micro_batch_size or rows
+    return [slice(start, start + size) for start in range(0, rows, size)] or [slice(0, 0)]
+
+
 def behaviour_logprobs(
-    model, batch: RolloutBatch, temperature: float, top_k: int | None = None, top_p: float | None = None
+    model,
+    batch: RolloutBatch,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    micro_batch_size: int | None = None,
 ) -> torch.Tensor:
     """The learner's own log-probs of the sampled tokens (same code, same mode, no grad).
 
-    ``model`` is a causal LM, or under FSDP2 the sharded ``distributed.PolicyForward``
-    (whose forward gathers the parameters); the result is on the CPU.
+    Computed in the learner's micro-batches (:func:`row_pieces`), so each row runs with the
+    shapes it has in the update: at lag 0 the ratio is exactly 1. ``model`` is a causal LM,
+    or under FSDP2 the sharded ``distributed.PolicyForward`` (whose forward gathers the
+    parameters); the result is on the CPU.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    if getattr(model, "wraps_causal_lm", False):
-        logprobs = model(
-            input_ids,
-            attention_mask,
-            completion_length=batch.completion_length,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
-    else:
-        logprobs = sequence_logprobs(
-            model, input_ids, attention_mask, batch.completion_length, temperature, top_k, top_p
-        )
-    return logprobs.cpu()
+    pieces = []
+    for rows in row_pieces(input_ids.shape[0], micro_batch_size):
+        if getattr(model, "wraps_causal_lm", False):
+            logprobs = model(
+                input_ids[rows],
+                attention_mask[rows],
+                completion_length=batch.completion_length,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
+        else:
+            logprobs = sequence_logprobs(
+                model,
+                input_ids[rows],
+                attention_mask[rows],
+                batch.completion_length,
+                temperature,
+                top_k,
+                top_p,
+            )
+        pieces.append(logprobs.cpu())
+    return torch.cat(pieces)
 
 
 class SyncRollouts:
@@ -244,9 +266,11 @@ class SyncRollouts:
         world=None,
         top_k: int | None = None,
         top_p: float | None = None,
+        micro_batch_size: int | None = None,
     ):
         self.generate = generate
         self.staleness = staleness
+        self.micro_batch_size = micro_batch_size  # the learner's pieces, for the behaviour forward
         self.prompts_per_step = prompts_per_step  # m, global
         self.world = world  # distributed.World, or None for one process
         self.world_size = world.size if world is not None else 1
@@ -275,7 +299,12 @@ class SyncRollouts:
             old = torch.cat(
                 [
                     behaviour_logprobs(
-                        model, batch.rows(*self._local_rows(k)), self.temperature, self.top_k, self.top_p
+                        model,
+                        batch.rows(*self._local_rows(k)),
+                        self.temperature,
+                        self.top_k,
+                        self.top_p,
+                        self.micro_batch_size,
                     )
                     for k in range(self.staleness)
                 ]

@@ -396,6 +396,7 @@ def build_rollout_source(
             world=world,
             top_k=config.top_k,
             top_p=config.top_p,
+            micro_batch_size=config.micro_batch_size,
         )
     if config.lag_schedule:
         return LaggedRollouts(
