@@ -182,15 +182,25 @@ def test_vespo_folds_a_sequence_weight_once():
     ],
 )
 @pytest.mark.parametrize("global_info", [False, True])
+@pytest.mark.parametrize(
+    "correction",
+    [
+        {"kind": "TIS", "cap": 2.0, "level": "token"},
+        {"kind": "MIS", "low": 0.8, "high": 1.25, "level": "token"},  # IcePop: zeros outside the band
+    ],
+    ids=["tis", "icepop"],
+)
 def test_token_level_weights_on_sequence_methods_match_verl_live(
-    method, mode, fields, aggregations, global_info
+    method, mode, fields, aggregations, global_info, correction
 ):
     """Token IS weights on GSPO and GMPO: verl's own gspo / geo_mean, run now on the same inputs.
 
     verl's gspo gives token t its own weight through GSPO-token's ratio (the adapter runs
     GSPO at ``sequence-mean-token``); geo_mean multiplies each sequence by the geometric
     mean of its token weights (the adapter reads them per sequence for GMPO)."""
-    weights = verl_weights({"kind": "TIS", "cap": 2.0, "level": "token"})
+    weights = verl_weights(correction)
+    if correction["kind"] == "MIS":
+        assert (weights[INPUTS["mask"]] == 0).any()  # some tokens are rejected
     mask = INPUTS["mask"]
     info = {}
     if global_info:

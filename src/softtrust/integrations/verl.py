@@ -78,8 +78,9 @@ PREFIX = "softtrust."
 OPTIONS = ("level", "log_ratio_clamp", "rollout_is")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 #: methods whose verl peer reads token-level IS weights per sequence, as their geometric mean
-#: (verl's ``geo_mean``: ``exp(mean_t log w_t)`` multiplies the sequence loss)
+#: (verl's ``geo_mean``: ``exp(mean_t log(w_t + 1e-10))`` multiplies the sequence loss)
 WEIGHTS_PER_SEQUENCE = {"gmpo": "sequence"}
+GEO_MEAN_EPS = 1e-10  # verl's geo_mean takes log(w + 1e-10): a zero token weight only shrinks the mean
 
 __all__ = [
     "OPTIONS",
@@ -238,15 +239,16 @@ def _rollout_is_level(config: Any, options: dict[str, Any]) -> str:
 
 
 def _weights_as_rollout_logprobs(
-    old: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, level: str, clamp: float
+    old: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, level: str, clamp: float, eps: float = 0.0
 ) -> torch.Tensor:
     """Sampler log-probs whose correction ratio ``exp(old - rollout)`` is verl's weight.
 
     Token level: ``log ρ_t = log w_t``. Sequence level (verl repeats ``w_i`` on every active
     token): ``log w_i`` spread evenly over the row, so the row sums to ``log w_i`` once.
-    A weight of 0 becomes ``log ρ = -clamp``, which the correction turns back into 0.
+    A weight of 0 becomes ``log ρ = -clamp``, which the correction turns back into 0;
+    with ``eps`` > 0 the weights are read as ``w + eps`` first (verl's geometric mean).
     """
-    weights = weights.detach().to(old.dtype)
+    weights = weights.detach().to(old.dtype) + eps
     mask = mask.to(old.dtype)
     positive = weights > 0
     log_w = torch.where(positive, torch.log(torch.where(positive, weights, 1.0)), -clamp)  # [B, T]
@@ -368,7 +370,12 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
         loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
         if rollout_is_weights is not None:
             rollout = _weights_as_rollout_logprobs(
-                old_log_prob, rollout_is_weights, response_mask, level, _clamp(options)
+                old_log_prob,
+                rollout_is_weights,
+                response_mask,
+                level,
+                _clamp(options),
+                GEO_MEAN_EPS if method in WEIGHTS_PER_SEQUENCE else 0.0,
             )
         out = loss_fn(
             log_prob,
