@@ -15,8 +15,9 @@ backward of:
 * ``softtrust Clip`` / ``plain Clip`` and ``softtrust SAPO`` / ``plain SAPO``.
 
 The variants are timed round-robin (one repetition of each in turn) so that
-machine noise hits them alike; each figure is the median of ``--reps`` repetitions
-after warm-up. Ratios are against TRL (VESPO) or the plain version (Clip, SAPO).
+machine noise hits them alike; each time is the median of ``--reps`` repetitions
+after warm-up, and each ratio (against TRL for VESPO, the plain version for Clip and
+SAPO) is the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def inputs(batch: int, length: int, seed: int = 0):
 
 def time_round_robin(
     variants: dict[str, Callable[[], torch.Tensor]], logprobs, reps: int
-) -> dict[str, float]:
+) -> dict[str, list[float]]:
+    """Seconds of forward + backward per round, one list per variant (round-robin after warm-up)."""
+
     def once(fn):
         logprobs.grad = None
         start = time.perf_counter()
@@ -103,7 +106,7 @@ def time_round_robin(
     for _ in range(reps):
         for name, fn in variants.items():
             times[name].append(once(fn))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
 
 
 def make_variants(
@@ -137,7 +140,8 @@ def policy_losses() -> dict[str, st.PolicyLoss]:
 
 
 def run(shapes, reps: int) -> tuple[str, list[dict]]:
-    """The table (markdown) and one record per shape: ``{"shape": (B, T), "ms": {variant: median ms}}``."""
+    """The table (markdown) and one record per shape: ``{"shape": (B, T), "ms": {variant: median ms},
+    "rounds": {variant: [seconds per round]}}``; ratios are medians of per-round ratios (:func:`ratio`)."""
     trl_vespo = trl_vespo_path()
     losses = policy_losses()
     header = (
@@ -149,16 +153,28 @@ def run(shapes, reps: int) -> tuple[str, list[dict]]:
     for batch, length in shapes:
         logprobs, old, advantages, mask = inputs(batch, length)
         variants = make_variants(logprobs, old, advantages, mask, losses, trl_vespo)
-        t = {k: v * 1e3 for k, v in time_round_robin(variants, logprobs, reps).items()}
-        results.append({"shape": (batch, length), "ms": t})
+        rounds = time_round_robin(variants, logprobs, reps)
+        t = {k: statistics.median(v) * 1e3 for k, v in rounds.items()}
+        record = {"shape": (batch, length), "ms": t, "rounds": rounds}
+        results.append(record)
         trl_ms = t.get("trl_vespo", math.nan)
+        trl_ratio = ratio(record, "trl_vespo", "st_vespo") if "trl_vespo" in t else math.nan
         rows.append(
             f"| {batch} × {length} | {t['st_vespo']:.3f} | {t['st_vespo_metrics']:.3f} | {trl_ms:.3f} "
-            f"| {t['plain_vespo']:.3f} | **{trl_ms / t['st_vespo']:.2f}×** | {t['st_clip']:.3f} | {t['plain_clip']:.3f} "
+            f"| {t['plain_vespo']:.3f} | **{trl_ratio:.2f}×** | {t['st_clip']:.3f} | {t['plain_clip']:.3f} "
             f"| {t['st_sapo']:.3f} | {t['plain_sapo']:.3f} |"
         )
         print(rows[-1], flush=True)
     return "\n".join(rows), results
+
+
+def ratio(record: dict, slower: str, faster: str) -> float:
+    """``slower / faster``: the median of the per-round ratios when the record has its rounds
+    (the variants ran in turn, so a round's ratio cancels the machine's drift), else of the medians."""
+    rounds = record.get("rounds")
+    if rounds:
+        return statistics.median(a / b for a, b in zip(rounds[slower], rounds[faster], strict=True))
+    return record["ms"][slower] / record["ms"][faster]
 
 
 def _shapes(records: list[dict]) -> str:
@@ -175,10 +191,10 @@ def reading(results: list[dict], trl_version: str | None = None) -> str:
     """
 
     def ratios(records, slower, faster):
-        return [r["ms"][slower] / r["ms"][faster] for r in records]
+        return [ratio(r, slower, faster) for r in records]
 
     def below(records, slower, faster, floor):
-        return [r for r in records if round(r["ms"][slower] / r["ms"][faster], 2) < floor]
+        return [r for r in records if round(ratio(r, slower, faster), 2) < floor]
 
     parts = []
     if results and "trl_vespo" in results[0]["ms"]:

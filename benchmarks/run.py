@@ -79,8 +79,9 @@ These are shared, noisy machines: read the ratios measured within one run, not a
 warm-up; every block served from glibc's heap, `_memory.heap_allocations`, so that page faults
 of freshly mapped blocks do not land on whichever variant allocates next). `TRL VESPO` is `trl.GRPOTrainer.get_gamma_weights` plus TRL's loss expression on
 TRL's int64 mask; `plain` columns are straightforward unfused implementations of the same
-math on a precomputed float mask; softtrust gets a bool mask. The ratio column is
-TRL time / softtrust time (above 1: softtrust is faster).
+math on a precomputed float mask; softtrust gets a bool mask. The ratio column (and every
+ratio in the reading) is the median over rounds of TRL time / softtrust time in the same
+round (above 1: softtrust is faster).
 
 {loss_table}
 

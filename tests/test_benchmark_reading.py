@@ -137,3 +137,11 @@ def test_logprob_reading_tells_shapes_apart_by_n_and_lists_each_weight_gradient_
     text = bench_logprobs.reading([small, large])
     assert "1.90× (bfloat16, N = 2,048, V = 151,936), 0.80× (bfloat16, N = 16,384, V = 151,936)" in text
     assert text.count("260 MiB (bfloat16, V = 151,936)") == 1  # V x d, whatever N
+
+
+def test_ratios_are_medians_of_per_round_ratios_when_rounds_are_recorded():
+    """Round-robin timing: a round's ratio cancels the machine's drift; the median of ratios is read."""
+    rounds = {"trl_vespo": [1.0, 2.0, 4.0], "st_vespo": [1.0, 1.0, 4.0]}  # per-round ratios 1, 2, 1
+    record = {"shape": (8, 128), "ms": {"trl_vespo": 2.0, "st_vespo": 1.0}, "rounds": rounds}
+    assert bench_loss.ratio(record, "trl_vespo", "st_vespo") == 1.0  # the ratio of medians would be 2
+    assert bench_loss.ratio({"ms": record["ms"]}, "trl_vespo", "st_vespo") == 2.0
