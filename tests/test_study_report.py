@@ -206,6 +206,19 @@ def test_the_report_refuses_runs_of_different_code_naming_the_cells(tmp_path, ca
     assert json.loads((tmp_path / "summary.json").read_text())["mixed_code"] is True
 
 
+def test_a_run_still_going_is_not_a_code_of_its_own():
+    """An interim report while cells run: a cell with no summary yet has no code to pair."""
+    from softtrust.study.analysis import code_versions
+
+    done = {"seed": 0, "status": "complete", "provenance": CODE}
+    going = {"seed": 1, "status": "incomplete", "provenance": None}
+    old = {"seed": 2, "status": "complete", "provenance": None}
+    groups = code_versions([{"method": "clip", "staleness": 4, "runs": [done, going]}])
+    assert list(groups.values()) == [["clip N=4 seed=0"]]
+    groups = code_versions([{"method": "clip", "staleness": 4, "runs": [done, going, old]}])
+    assert groups["not recorded"] == ["clip N=4 seed=2"]
+
+
 def test_provenance_records_the_commit_the_dirty_flag_and_the_versions(tmp_path):
     def git(*arguments):
         subprocess.run(

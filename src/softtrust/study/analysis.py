@@ -376,14 +376,16 @@ def lag_profile(sweep: Sweep, runs: dict[Cell, dict]) -> list[dict]:
 def code_versions(records: list[dict], axis: str = "N") -> dict[str, list[str]]:
     """The code of every run: ``{code description: [cell names]}`` (one key: all the same code).
 
-    A run's code is its ``provenance`` (git commit, dirty flag, package versions); a run
-    that recorded none (older runs) is "not recorded". Two runs of a dirty tree at the
+    A run's code is its ``provenance`` (git commit, dirty flag, package versions); a finished
+    run that recorded none (older runs) is "not recorded"; a run still going is left out. Two runs of a dirty tree at the
     same commit count as the same code, which the description says.
     """
     groups: dict[str, list[str]] = {}
     for record in records:
         lr = "" if record.get("lr") is None else f" lr={record['lr']:g}"
         for run in record["runs"]:
+            if run.get("status") == "incomplete":  # running or not started: no code to pair yet
+                continue
             code = run.get("provenance")
             if code is None:
                 key = "not recorded"
