@@ -567,3 +567,22 @@ def test_both_tile_logsumexp_formulas_agree_with_large_offsets():
     expected = torch.logsumexp(tile, 1)
     torch.testing.assert_close(_tile_logsumexp(tile.clone()), expected, rtol=0, atol=1e-9)
     assert torch.isfinite(expected).all()
+
+
+def test_fsdp_sharded_bodies_run_every_row_in_full(tiny_lm, tmp_path):
+    """Under FSDP2 a second forward would all-gather every layer again: no sharing there."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from softtrust._shared_prompt import can_share
+
+    sharded = copy.deepcopy(tiny_lm[1])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert can_share(sharded.model)
+        fully_shard(sharded)  # (its forward runs through the trainer's wrapper: tests/test_distributed.py)
+        assert not can_share(sharded.model)
+    finally:
+        dist.destroy_process_group()

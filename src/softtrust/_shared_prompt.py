@@ -14,7 +14,8 @@ share the batch, so a micro-batch that splits a group gives its rows the same nu
 
 Not shared (one plain forward instead): activation checkpointing (transformers' or
 ``torch``'s ``checkpoint_wrapper``: the recomputation would write the cache twice), dropout
-active in training mode (the copies would share one dropout draw), a 4-D attention mask.
+active in training mode (the copies would share one dropout draw), a 4-D attention mask,
+and FSDP-sharded parameters (``DTensor``: two forwards would all-gather every layer twice).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def prompt_groups(
 
 
 def can_share(body: Any) -> bool:
-    """Whether running a prompt once per run gives the plain forward's function (see the module docstring)."""
+    """Whether to run each prompt once: exact for this body, and no extra parameter gathers (module docstring)."""
     if body.training and float(getattr(getattr(body, "config", None), "attention_dropout", 0.0) or 0.0) > 0:
         return False
     for module in body.modules():
@@ -60,7 +61,8 @@ def can_share(body: Any) -> bool:
             return False
         if module.training and isinstance(module, torch.nn.Dropout) and module.p > 0:
             return False
-    return True
+    parameter = next(body.parameters(), None)
+    return parameter is None or type(parameter).__name__ != "DTensor"
 
 
 def completion_hidden(
