@@ -147,13 +147,18 @@ class DetachedWeightMethod(Method):
         )  # [B, T]; the [B, 1] factor first
 
 
-def choose(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
-    """``where(condition, if_true, if_false)`` for two Python numbers, in ``like``'s dtype and device.
+def choose(
+    condition: torch.Tensor,
+    if_true: float | torch.Tensor,
+    if_false: float | torch.Tensor,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """``where(condition, if_true, if_false)`` for Python numbers (or 0-dim tensors), in ``like``'s dtype.
 
     (``torch.where`` with two Python scalars gives the default dtype: in float64 math a float32
-    1.05 would lose its digits, so the first value is built in ``like``'s dtype then.)
+    1.05 would lose its digits, so a Python first value is built in ``like``'s dtype then.)
     """
-    if like.dtype == torch.get_default_dtype():
+    if like.dtype == torch.get_default_dtype() or isinstance(if_true, torch.Tensor):
         return torch.where(condition, if_true, if_false)  # one op: the common float32 case
     return torch.where(condition, torch.full((), if_true, dtype=like.dtype, device=like.device), if_false)
 

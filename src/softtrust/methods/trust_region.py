@@ -50,8 +50,8 @@ def clipped_surrogate(
         # -min(r·A, clip(r, low, high)·A) = -A·clamp(r, low_A, high_A): for A > 0 only the
         # upper bound binds (min(r, high)), for A <= 0 only the lower one (max(r, low))
         positive = advantages > 0
-        low_a = torch.where(positive, -math.inf, _as_bound(low, ratio))
-        high_a = torch.where(positive, _as_bound(high, ratio), math.inf)
+        low_a = choose(positive, -math.inf, low, ratio)
+        high_a = choose(positive, high, math.inf, ratio)
         loss = ratio.clamp(low_a, high_a) * negative  # [B, T] or [B, 1]
     else:  # -min(x, y) = max(-x, -y)
         loss = torch.maximum(unclipped * negative, ratio.clamp(low, high) * negative)
@@ -60,13 +60,6 @@ def clipped_surrogate(
         stats["clip/low"] = (ratio < low) & (advantages < 0)
         stats["clip/high"] = (ratio > high) & (advantages > 0)
     return MethodOutput(loss, stats)
-
-
-def _as_bound(bound: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A clip bound as a 0-dim tensor in ``like``'s dtype (``torch.where`` would give a Python float the default dtype)."""
-    if isinstance(bound, torch.Tensor):
-        return bound.to(like.dtype)
-    return torch.tensor(bound, dtype=like.dtype, device=like.device)
 
 
 @register_method
