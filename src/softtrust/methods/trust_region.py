@@ -109,7 +109,7 @@ class Clip(Method):
     def loss(self, ctx: LossContext) -> MethodOutput:
         advantages = ctx.advantages  # [B, 1] or [B, T]
         ratio = ctx.ratio  # [B, T] or [B, 1]
-        unclipped = ratio if self.delta is None else ratio.clamp(max=self.delta)
+        unclipped = None if self.delta is None else ratio.clamp(max=self.delta)
         loss, stats = clipped_surrogate(
             ratio, advantages, 1.0 - self.eps_low, 1.0 + self.eps_high, ctx.with_stats, unclipped
         )
