@@ -100,7 +100,12 @@ At the smallest shapes the call is fixed overhead: about 26 dispatched operation
 forward (TRL's path: 25) plus the Python of the composition (the input checks, the context,
 the method and the aggregation as separate calls, roughly 100 Python calls), so softtrust
 trails TRL and the plain expressions by tens of microseconds there; as the shape grows
-memory traffic dominates and the composition wins.
+memory traffic dominates and the composition wins. SAPO is the exception: its plain
+expression is already minimal, and softtrust adds passes over [B, T] that the plain one
+does not make: the mask conversion (the plain columns get a precomputed float mask), the
+check's sum, and the multiply that zeroes the token log-ratio at masked positions, forward
+and backward (the context's contract: sequence levels, metrics and batch-wide methods read
+those zeros).
 
 Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
 The `+metrics` column adds ratio, log-weight, φ and ESS statistics as 0-dim tensors (no host
