@@ -16,6 +16,7 @@ from softtrust._provenance import provenance
 from softtrust.cli import main
 from softtrust.study import Sweep, split_methods, write_report
 from softtrust.study.analysis import analyse
+from softtrust.study.markdown import markdown_table
 from softtrust.study.runs import load_run, load_runs, step_lag
 from softtrust.study.stats import holm, paired_t_test, sign_test
 
@@ -171,6 +172,39 @@ def test_diagnostics_against_the_lag_within_a_rollout(tmp_path):
     assert profiles[("clip", 64, "kl_behaviour")]["lags"] == list(range(8))  # 8 steps of one rollout
     ess = profiles[("clip", 4, "loss/ess")]
     assert ess["n"] == [3, 6, 6, 6] and ess["mean"] == pytest.approx([0.9] * 4)  # step 1's NaN skipped
+
+
+def test_throughput_from_the_step_timing(tmp_path):
+    """Steps per hour, the learner's waiting share and the sampling hidden behind the updates,
+    by hand: seed s logs 2 + s seconds a step, of which 0.5 waiting, and 1.5 s of sampling
+    (an overlapping worker); vespo's cells log no timing (runs before ``seconds/sample``)."""
+    sweep = make_sweep(tmp_path)
+    for seed in range(3):
+        directory = tmp_path / "runs" / "clip" / "N4" / f"seed{seed}"
+        lines = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+        for line in lines:
+            line.update({"seconds": 2.0 + seed, "seconds/collect": 0.5, "seconds/sample": 1.5})
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # a synchronous cell: the learner waits a little longer than the sampling took
+    sync = tmp_path / "runs" / "clip" / "N64" / "seed0"
+    lines = [json.loads(line) for line in (sync / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        line.update({"seconds": 3.0, "seconds/collect": 1.01, "seconds/sample": 1.0})
+    (sync / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    report = analyse(sweep, load_runs(sweep))
+    records = {(r["method"], r["N"]): r for r in report["records"]}
+    clip = records[("clip", 4)]
+    assert [run["steps_per_hour"] for run in clip["runs"]] == pytest.approx([1800, 1200, 900])
+    assert clip["steps_per_hour"]["mean"] == pytest.approx(1300)
+    assert clip["learner_waiting"]["values"] == pytest.approx([0.25, 0.5 / 3, 0.125])
+    assert clip["sampling_hidden"]["values"] == pytest.approx([2 / 3] * 3)
+    assert records[("clip", 64)]["sampling_hidden"]["values"] == [0.0]  # clamped: 1 - 1.01 / 1.0 < 0
+    assert records[("vespo", 4)]["steps_per_hour"]["n"] == 0
+    text = markdown_table(report)
+    assert "## Throughput" in text
+    assert "| clip | 4 | 1300 ± " in text and "| 67 % |" in text
+    assert "| vespo | 4 |" not in text.split("## Throughput")[1]  # no timing, no row
 
 
 def test_the_lag_is_derived_when_a_run_did_not_log_it(tmp_path):

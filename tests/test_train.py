@@ -123,6 +123,11 @@ def test_staleness_four_means_four_steps_per_rollout_on_disjoint_minibatches(
     assert [m["lag"] for m in metrics] == [0, 1, 2, 3] * 2
     # Behaviour log-probs of a rollout are all computed before its first update, from θ_k.
     assert events == (["behaviour"] * 4 + ["update"] * 4) * 2
+    # The producer's time is logged at the step its rollout arrived, and the learner waited for
+    # all of it there (sampling and behaviour log-probs lie inside the step's collect interval).
+    for m in metrics:
+        assert (m["seconds/sample"] > 0) == (m["rollout/minibatch"] == 0), m
+        assert m["seconds/sample"] <= m["seconds/collect"] + 1e-3, m
     # The first mini-batch of each rollout is on-policy; the later ones are not.
     for m in metrics:
         on_policy = m["loss/ratio/min"] == 1.0 and m["loss/ratio/max"] == 1.0
@@ -228,6 +233,7 @@ def test_async_worker_stays_within_max_lag_and_its_logprobs_are_those_of_the_ver
     metrics = read_metrics(tmp_path / "run")
     lags = [m["lag"] for m in metrics]
     assert len(lags) == 8 and max(lags) <= 1 and min(lags) >= 0
+    assert all(m["seconds/sample"] > 0 for m in metrics)  # the worker's time, one rollout a step
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
     distinguished = 0
     for step, minibatch in enumerate(batches):

@@ -129,8 +129,32 @@ def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict
         "collapse_step": collapse_step,
         "collapse_reason": reason,
         "wall_seconds": summary.get("wall_seconds") if summary else None,
+        **throughput(run.get("timing")),
         "provenance": run.get("provenance"),
         "curves": {"reward": rewards, "accuracy": accuracies},
+    }
+
+
+THROUGHPUT = ("steps_per_hour", "sampling_hidden", "learner_waiting")
+
+
+def throughput(timing: dict | None) -> dict:
+    """A run's throughput from its step timing (``runs.step_timing``); None where not logged.
+
+    ``steps_per_hour = 3600 · steps / Σ seconds`` (the training steps alone: no warm start,
+    evaluations or checkpoints); ``learner_waiting = Σ wait / Σ seconds``, the share of that
+    time the learner spent waiting for its mini-batch; ``sampling_hidden = 1 − Σ wait / Σ sample``,
+    the share of the producer's sampling time that ran alongside the learner's updates
+    (synchronous: 0, the learner waits for all of it; a concurrent worker that is never
+    waited for: 1). Clamped to [0, 1]: the wait also holds the advantages' few milliseconds.
+    """
+    timing = timing or {}
+    seconds, wait, sample = timing.get("seconds"), timing.get("wait"), timing.get("sample")
+    timed = bool(seconds) and seconds > 0
+    return {
+        "steps_per_hour": 3600 * timing["steps"] / seconds if timed else None,
+        "learner_waiting": wait / seconds if timed and wait is not None else None,
+        "sampling_hidden": min(max(1 - wait / sample, 0.0), 1.0) if sample and wait is not None else None,
     }
 
 
@@ -158,6 +182,7 @@ def collect(sweep: Sweep, runs: dict[Cell, dict], criterion: CollapseCriterion) 
                 "auc_accuracy": mean_std_ci([run["auc_accuracy"] for run in outcomes]),
                 "final_reward": mean_std_ci([run["final_reward"] for run in outcomes]),
                 "accuracy_before": mean_std_ci([run["accuracy_before"] for run in outcomes]),
+                **{key: mean_std_ci([run[key] for run in outcomes]) for key in THROUGHPUT},
                 "collapsed_runs": len(collapse_steps),
                 "first_collapse_step": min(collapse_steps) if collapse_steps else None,
                 # bimodal: some runs collapsed; reported by outcome, compared by the sign test

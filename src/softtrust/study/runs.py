@@ -45,12 +45,13 @@ def load_run(directory: Path, staleness: int | None = None) -> dict | None:
     """The raw record of one run directory (None if it never logged anything).
 
     ``{"run_dir", "summary", "returncode", "rewards", "accuracies", "nonfinite_steps",
-    "diagnostics", "provenance"}``: the summary (None until the run finished), the cell
+    "diagnostics", "provenance", "timing"}``: the summary (None until the run finished), the cell
     process's exit code (from ``sweep-cell.json``; None if not recorded), the per-step
     rewards and the held-out accuracies as ``[(step, value)]``, the steps whose update was
     skipped as non-finite, one ``{"step", "lag", <DIAGNOSTICS>}`` per step (``step_lag``;
     ``staleness``: the sync N, to derive the lag of runs that did not log it), and the code
-    that made the run (``summary["provenance"]``, ``softtrust._provenance``; None if not recorded).
+    that made the run (``summary["provenance"]``, ``softtrust._provenance``; None if not recorded),
+    and the step timing (:func:`step_timing`).
     """
     directory = Path(directory)
     metrics = read_jsonl(directory / "metrics.jsonl")
@@ -81,6 +82,28 @@ def load_run(directory: Path, staleness: int | None = None) -> dict | None:
             for r in metrics
         ],
         "provenance": (summary or {}).get("provenance"),
+        "timing": step_timing(metrics),
+    }
+
+
+def step_timing(metrics: list[dict]) -> dict:
+    """Sums over the logged steps of where the learner's time went (``metrics.jsonl``).
+
+    ``{"steps", "seconds"}``: the steps and their wall seconds (collect + update; evaluations
+    and checkpoints excluded); ``"wait"``: ``seconds/collect``, the learner waiting for its
+    mini-batch; ``"sample"``: ``seconds/sample``, the producer's time for the rollouts that
+    arrived (None for runs that did not log it).
+    """
+
+    def total(key: str) -> float | None:
+        values = [float(r[key]) for r in metrics if isinstance(r.get(key), (int, float))]
+        return sum(values) if values else None
+
+    return {
+        "steps": len(metrics),
+        "seconds": total("seconds"),
+        "wait": total("seconds/collect"),
+        "sample": total("seconds/sample"),
     }
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -154,11 +155,14 @@ class Rollout:
         old_logprobs: ``[rows, T]`` behaviour log-probs (the policy that sampled the rows);
             ``None`` when the learner's own log-probs serve (sync, N = 1).
         index: the rollout's index (the key of its sampling draws).
+        seconds: wall seconds its producer spent making it (sampling, scoring, behaviour
+            log-probs); the concurrent worker's run alongside the learner's updates.
     """
 
     batch: RolloutBatch
     old_logprobs: torch.Tensor | None
     index: int
+    seconds: float = 0.0
 
 
 @runtime_checkable
@@ -289,6 +293,7 @@ class SyncRollouts:
         """A rollout of N x m prompts when the previous one is used up, else None."""
         if self.pending:
             return None
+        started = time.perf_counter()
         # This rank's share: [N x m/P x G rows].
         batch = self.generate(model, self.staleness * self.prompts_per_step, step, self.rollouts)
         # Computed per mini-batch with the learner's code and shapes, before any update. With
@@ -309,7 +314,9 @@ class SyncRollouts:
                     for k in range(self.staleness)
                 ]
             )
-        rollout = Rollout(batch=batch, old_logprobs=old, index=self.rollouts)
+        rollout = Rollout(
+            batch=batch, old_logprobs=old, index=self.rollouts, seconds=time.perf_counter() - started
+        )
         self.rollouts += 1
         return rollout
 
@@ -423,10 +430,12 @@ class LaggedRollouts(_OneRolloutPerStep):
             self.publish(step, model)
 
     def collect(self, step: int, model) -> Rollout:
+        started = time.perf_counter()
         version = step - self.lag_for(step)
         self.behaviour_model.load_state_dict(self.history[version])
         batch = self.generate(self.behaviour_model, self.prompts_per_step, version, step)
-        return Rollout(batch=batch, old_logprobs=batch.rollout_logprobs, index=step)
+        seconds = time.perf_counter() - started
+        return Rollout(batch=batch, old_logprobs=batch.rollout_logprobs, index=step, seconds=seconds)
 
     def publish(self, version: int, model) -> None:
         self.history[version] = _weights_copy(model)
@@ -493,8 +502,12 @@ class AsyncRollouts(_OneRolloutPerStep):
                         self.worker_model.load_state_dict(self.published_weights)
                         self.worker_version = self.published_version
                         self.syncs += 1
+                started = time.perf_counter()
                 batch = self.generate(self.worker_model, self.prompts_per_step, self.worker_version, index)
-                self.queue.put(Rollout(batch=batch, old_logprobs=batch.rollout_logprobs, index=index))
+                seconds = time.perf_counter() - started
+                self.queue.put(
+                    Rollout(batch=batch, old_logprobs=batch.rollout_logprobs, index=index, seconds=seconds)
+                )
                 index += 1
         except BaseException as error:  # surfaced to the learner by collect()
             self.error = error

@@ -130,9 +130,12 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             metrics = step_metrics(
                 state, minibatch, update_metrics, rollouts, time.time() - collect_start, world
             )
-            # where the step's time went: sampling + behaviour log-probs, then the update
+            # where the step's time went: waiting for the mini-batch (sync: sampling + behaviour
+            # log-probs), then the update; and the producer's time for a rollout that arrived
+            # now (async: spent alongside the learner's earlier updates)
             metrics["seconds/collect"] = collect_seconds
             metrics["seconds/update"] = metrics["seconds"] - collect_seconds
+            metrics["seconds/sample"] = 0.0 if rollout is None else rollout.seconds
             if config.samples_every and state.step % config.samples_every == 0:
                 run.log_samples(
                     state.step, "train", training_samples(tokenizer, minibatch, config.num_samples)
