@@ -144,9 +144,10 @@ def throughput(timing: dict | None) -> dict:
     ``steps_per_hour = 3600 · steps / Σ seconds`` (the training steps alone: no warm start,
     evaluations or checkpoints); ``learner_waiting = Σ wait / Σ seconds``, the share of that
     time the learner spent waiting for its mini-batch; ``sampling_hidden = 1 − Σ wait / Σ sample``,
-    the share of the producer's sampling time that ran alongside the learner's updates
-    (synchronous: 0, the learner waits for all of it; a concurrent worker that is never
-    waited for: 1). Clamped to [0, 1]: the wait also holds the advantages' few milliseconds.
+    the share of the producer's sampling time the learner did not wait for (it ran while the
+    learner updated or evaluated; synchronous: 0, the learner waits for all of it; a concurrent
+    worker that is never waited for: 1). Clamped to [0, 1]: the wait also holds the
+    advantages' few milliseconds.
     """
     timing = timing or {}
     seconds, wait, sample = timing.get("seconds"), timing.get("wait"), timing.get("sample")

@@ -147,9 +147,9 @@ def _throughput_table(report: dict) -> list[str]:
         "## Throughput (training steps only: no warm start, evaluations or checkpoints)",
         "",
         "Steps per hour: mean ± 95 % CI over seeds. Learner waiting: the share of the step time "
-        "spent waiting for the mini-batch. Sampling hidden: the share of the sampler's time that "
-        "ran alongside the learner's updates (synchronous: 0; a concurrent worker never waited "
-        "for: 100 %). Throughput on a shared machine is only comparable between cells that ran "
+        "spent waiting for the mini-batch. Sampling hidden: the share of the sampler's time the "
+        "learner did not wait for (it ran while the learner updated or evaluated; synchronous: 0; "
+        "a concurrent worker never waited for: 100 %). Throughput on a shared machine is only comparable between cells that ran "
         "alone (`--jobs 1`).",
         "",
         f"| method | {axis} | steps per hour | learner waiting | sampling hidden | final accuracy |",

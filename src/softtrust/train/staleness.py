@@ -156,7 +156,7 @@ class Rollout:
             ``None`` when the learner's own log-probs serve (sync, N = 1).
         index: the rollout's index (the key of its sampling draws).
         seconds: wall seconds its producer spent making it (sampling, scoring, behaviour
-            log-probs); the concurrent worker's run alongside the learner's updates.
+            log-probs); the concurrent worker's run while the learner works.
     """
 
     batch: RolloutBatch

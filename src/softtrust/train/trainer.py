@@ -132,7 +132,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             )
             # where the step's time went: waiting for the mini-batch (sync: sampling + behaviour
             # log-probs), then the update; and the producer's time for a rollout that arrived
-            # now (async: spent alongside the learner's earlier updates)
+            # now (async: spent while the learner worked on earlier steps)
             metrics["seconds/collect"] = collect_seconds
             metrics["seconds/update"] = metrics["seconds"] - collect_seconds
             metrics["seconds/sample"] = 0.0 if rollout is None else rollout.seconds
