@@ -498,8 +498,9 @@ def test_behaviour_forward_runs_the_learners_micro_batches_bit_for_bit(tiny_lm, 
         rollout_logprobs=torch.zeros(8, 4),
         rewards=torch.zeros(8),
     )
+    behaviour = behaviour_logprobs(model, batch, 1.0, micro_batch_size=micro_batch_size)
+    assert not behaviour.requires_grad  # no autograd graph in the rollout's forward
     with torch.no_grad():
-        behaviour = behaviour_logprobs(model, batch, 1.0, micro_batch_size=micro_batch_size)
         learner = torch.cat(
             [
                 sequence_logprobs(model, input_ids[rows], attention_mask[rows], 4)

@@ -151,7 +151,7 @@ def throughput(timing: dict | None) -> dict:
     """
     timing = timing or {}
     seconds, wait, sample = timing.get("seconds"), timing.get("wait"), timing.get("sample")
-    timed = bool(seconds) and seconds > 0
+    timed = seconds is not None and seconds > 0
     return {
         "steps_per_hour": 3600 * timing["steps"] / seconds if timed else None,
         "learner_waiting": wait / seconds if timed and wait is not None else None,

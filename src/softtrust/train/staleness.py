@@ -49,7 +49,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .rollout import RolloutBatch, sequence_logprobs
+from .distributed import policy_logprobs
+from .rollout import RolloutBatch
 
 
 @dataclass
@@ -204,13 +205,13 @@ def check_kind(source: RolloutSource, state: dict) -> None:
         )
 
 
-@torch.no_grad()
 def row_pieces(rows: int, micro_batch_size: int | None) -> list[slice]:
     """The learner's micro-batches of a mini-batch of ``rows`` rows (``--micro-batch-size``; None: one)."""
     size = micro_batch_size or rows
     return [slice(start, start + size) for start in range(0, rows, size)] or [slice(0, 0)]
 
 
+@torch.no_grad()
 def behaviour_logprobs(
     model,
     batch: RolloutBatch,
@@ -222,34 +223,18 @@ def behaviour_logprobs(
     """The learner's own log-probs of the sampled tokens (same code, same mode, no grad).
 
     Computed in the learner's micro-batches (:func:`row_pieces`), so each row runs with the
-    shapes it has in the update: at lag 0 the ratio is exactly 1. ``model`` is a causal LM,
-    or under FSDP2 the sharded ``distributed.PolicyForward`` (whose forward gathers the
-    parameters); the result is on the CPU.
+    shapes it has in the update, through the learner's own call (``distributed.policy_logprobs``):
+    at lag 0 the ratio is exactly 1. ``model`` is a causal LM, or under FSDP2 the sharded
+    ``distributed.PolicyForward`` (whose forward gathers the parameters); the result is on the CPU.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    pieces = []
-    for rows in row_pieces(input_ids.shape[0], micro_batch_size):
-        if getattr(model, "wraps_causal_lm", False):
-            logprobs = model(
-                input_ids[rows],
-                attention_mask[rows],
-                completion_length=batch.completion_length,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-            )
-        else:
-            logprobs = sequence_logprobs(
-                model,
-                input_ids[rows],
-                attention_mask[rows],
-                batch.completion_length,
-                temperature,
-                top_k,
-                top_p,
-            )
-        pieces.append(logprobs.cpu())
+    pieces = [
+        policy_logprobs(
+            model, input_ids[rows], attention_mask[rows], batch.completion_length, temperature, top_k, top_p
+        ).cpu()
+        for rows in row_pieces(input_ids.shape[0], micro_batch_size)
+    ]
     return torch.cat(pieces)
 
 
