@@ -159,6 +159,9 @@ def test_cells_with_a_collapse_are_reported_by_outcome_and_compared_by_the_sign_
     assert entries[("vespo − clip at N = 4", "final_accuracy")]["test"] == "t"  # no collapse there
     text = (tmp_path / "summary.md").read_text()
     assert "| vespo | 64 | 1 | 2 | 0: 52.0, 1: 27.0 ×, 2: 73.0 | 62.5 ± 133.4 |" in text
+    # the sign test's floor is said for the seeds at hand: 2 / 2³ with 3 seeds
+    assert "with 3 seeds its smallest p is 0.25, so such a comparison cannot hold" in text
+    assert "from the smallest to the largest N minus" in text
 
 
 def test_diagnostics_against_the_lag_within_a_rollout(tmp_path):

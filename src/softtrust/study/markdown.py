@@ -40,14 +40,16 @@ def _tests_section(report: dict) -> list[str]:
     """The paired differences and the differences-in-differences, with the Holm adjustment."""
     if "holm" not in report or len(report["seeds"]) < 2:
         return []
-    holm = report["holm"]
+    holm, seeds, axis = report["holm"], len(report["seeds"]), report["axis"]
+    smallest = 2 * 0.5**seeds  # the exact two-sided sign test's smallest p: every seed one way
     lines = [
         "## Tests (paired by seed, Holm-adjusted)",
         "",
         f"Family for the Holm adjustment: {holm['family']} ({holm['size']} tests), family-wise "
         f"α = {holm['alpha']:g}. **Bold**: the claim holds after the adjustment. The test is the paired "
         "t-test, or the exact sign test where a cell involved has collapsed runs (outcome-based: the spread "
-        "is bimodal; with 5 seeds its smallest p is 0.0625, so such a comparison cannot hold).",
+        f"is bimodal; with {seeds} seeds its smallest p is {smallest:.3g}"
+        + (", so such a comparison cannot hold)." if smallest > holm["alpha"] else ")."),
         "",
     ]
     lines += _tests_table(report, "paired", "Paired differences")
@@ -55,7 +57,7 @@ def _tests_section(report: dict) -> list[str]:
         report,
         "did",
         'Difference-in-differences ("degrades least": the reference\'s change from the smallest to the '
-        "largest N minus the other method's; positive: the reference loses less)",
+        f"largest {axis} minus the other method's; positive: the reference loses less)",
     )
     return lines
 
