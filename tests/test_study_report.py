@@ -161,6 +161,8 @@ def test_cells_with_a_collapse_are_reported_by_outcome_and_compared_by_the_sign_
     assert "| vespo | 64 | 1 | 2 | 0: 52.0, 1: 27.0 ×, 2: 73.0 | 62.5 ± 133.4 |" in text
     # the sign test's floor is said for the seeds at hand: 2 / 2³ with 3 seeds
     assert "with 3 seeds its smallest p is 0.25, so such a comparison cannot hold" in text
+    # the lag table says how many steps (over seeds) stand behind each mean: 8 steps, lags 0..7
+    assert "| all | steps at this lag | 3 | 3 | 3 | 3 | 3 |" in text
     assert "from the smallest to the largest N minus" in text
 
 

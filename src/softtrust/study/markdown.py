@@ -124,6 +124,11 @@ def _lag_table(report: dict) -> list[str]:
         "| method | diagnostic | " + " | ".join(f"lag {lag}" for lag in shown) + " |",
         "| --- | --- | " + " | ".join("---" for _ in shown) + " |",
     ]
+    steps = {}  # the steps behind each mean: async lags below K occur only while the worker fills up
+    for profile in at_high.values():
+        for lag, n in zip(profile["lags"], profile["n"], strict=True):
+            steps[lag] = max(steps.get(lag, 0), n)
+    lines.append("| all | steps at this lag | " + " | ".join(str(steps.get(lag, 0)) for lag in shown) + " |")
     for method in report["methods"]:
         for metric, title in LAG_METRICS:
             profile = at_high.get((method, metric))
