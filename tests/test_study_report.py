@@ -130,6 +130,29 @@ def test_difference_in_differences_matches_a_hand_computation(tmp_path):
     assert all(entry["holds"] == (entry["p_holm"] <= 0.05) for entry in tests)
 
 
+def test_a_named_reference_is_the_method_every_other_is_tested_against(tmp_path):
+    """``Sweep.reference`` (``--reference``, a preset's ``reference``) replaces the default
+    (vespo when in the grid): every comparison is reference − other, so the values flip."""
+    sweep = make_sweep(tmp_path)
+    default = analyse(sweep, load_runs(sweep))
+    sweep.reference = "clip"
+    named = analyse(sweep, load_runs(sweep))
+    assert (default["reference"], named["reference"]) == ("vespo", "clip")
+    (did,) = [entry for entry in named["did"] if entry["measure"] == "final_accuracy"]
+    assert did["comparison"] == "(clip − vespo) at N = 64 − at N = 4"
+    assert did["values"] == pytest.approx([-0.07, -0.08, -0.09])
+    entries = {(e["comparison"], e["measure"]): e for e in named["paired"]}
+    assert entries[("clip − vespo at N = 4", "final_accuracy")]["values"] == pytest.approx(
+        [-0.05, 0.02, -0.05]
+    )
+    sweep.reference = "sapo"
+    with pytest.raises(
+        ValueError,
+        match=r"reference: 'sapo' is not a method of the sweep; expected one of \['clip', 'vespo'\]",
+    ):
+        sweep.validate()
+
+
 def test_summary_md_carries_the_holm_table_the_did_and_the_figures(tmp_path):
     sweep = make_sweep(tmp_path)
     write_report(sweep)

@@ -440,11 +440,12 @@ def test_presets_of_the_next_runs_route_corrections_and_the_async_axis(tmp_path)
     from softtrust.cli import build_parser
     from softtrust.study.cli import sweep_from_arguments
 
-    def sweep(name):
-        argv = ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
+    def sweep(name, *flags):
+        argv = ["sweep", "--preset", name, "--output-dir", str(tmp_path), *flags]
         return sweep_from_arguments(*build_parser().parse_known_args(argv))
 
     mismatch = sweep("mismatch")
+    assert mismatch.reference_method == "clip"  # each correction is tested against none
     configs = {cell.spec.label: mismatch.cell_config(cell) for cell in mismatch.cells()}
     assert configs["vespo[correction=tis]"].correction == "tis"
     assert configs["clip[correction=mis]"].correction == "mis" and configs["clip"].correction is None
@@ -454,7 +455,9 @@ def test_presets_of_the_next_runs_route_corrections_and_the_async_axis(tmp_path)
     controls = sweep("controls")
     clip28 = next(c for c in controls.cells() if c.spec.label == "clip[eps_high=0.28]")
     assert controls.cell_config(clip28).method_params == {"eps_high": 0.28}
+    assert sweep("mismatch", "--reference", "clip[correction=mis]").reference_method == "clip[correction=mis]"
     asynchronous = sweep("async")
+    assert asynchronous.reference_method == "vespo"  # the default: vespo when in the grid
     assert asynchronous.axis == "K" and asynchronous.jobs == 1
     assert {asynchronous.cell_config(c).max_lag for c in asynchronous.cells()} == {1, 16}
     # the head-to-head shares the controls' clip and VESPO cells (the same configs)

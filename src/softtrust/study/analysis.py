@@ -270,8 +270,8 @@ def paired_differences(report: dict) -> list[dict]:
     accuracy curve:
 
     * per method, the largest N minus the smallest (does staleness hurt it?);
-    * per N, the reference method minus every other one (``vespo`` when it is in the
-      grid, else the last method listed).
+    * per N, the reference method minus every other one (``report["reference"]``:
+      ``Sweep.reference_method``).
 
     The test (``stats``): the paired t-test (Student t, n − 1 d.f.), or the exact sign
     test when either cell is outcome-based (some of its runs collapsed: a t-interval
@@ -282,7 +282,7 @@ def paired_differences(report: dict) -> list[dict]:
     """
     axis, methods, values = report["axis"], report["methods"], report["staleness"]
     runs, bimodal = _by_seed(report)
-    reference = "vespo" if "vespo" in methods else methods[-1]
+    reference = report["reference"]
     pairs = []
     if len(values) > 1:
         low, high = min(values), max(values)
@@ -327,7 +327,7 @@ def difference_in_differences(report: dict) -> list[dict]:
     if len(values) < 2:
         return []
     runs, bimodal = _by_seed(report)
-    reference = "vespo" if "vespo" in methods else methods[-1]
+    reference = report["reference"]
     low, high = min(values), max(values)
     entries = []
     for method in (m for m in methods if m != reference):
@@ -465,6 +465,7 @@ def analyse(
     ]
     report = {
         "methods": [spec.label for spec in sweep.methods],
+        "reference": sweep.reference_method,
         "staleness": sweep.staleness,
         "axis": sweep.axis,
         "seeds": sweep.seeds,

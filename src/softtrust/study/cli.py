@@ -64,6 +64,11 @@ def add_sweep_arguments(parser) -> None:
         "by default the report refuses them, naming the cells of each code.",
     )
     parser.add_argument(
+        "--reference",
+        help="The method every other is tested against in the report (a --methods label) "
+        "[default: the preset's; else vespo when in the grid, else the last method].",
+    )
+    parser.add_argument(
         "--no-progress", dest="sweep_progress", action="store_false", help="No progress bar for the grid."
     )
 
@@ -115,6 +120,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
         progress=arguments.sweep_progress,
         lrs=parse_lrs(arguments.lrs) if arguments.lrs else preset.get("lrs"),
         allow_mixed_code=getattr(arguments, "allow_mixed_code", False),
+        reference=getattr(arguments, "reference", None) or preset.get("reference"),
     )
 
 

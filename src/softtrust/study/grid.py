@@ -146,6 +146,14 @@ class Sweep:
     progress: bool = True
     lrs: list[float] | None = None  # the learning-rate axis (None: lr is a shared setting)
     allow_mixed_code: bool = False  # report runs made by different code (commit / versions) anyway
+    reference: str | None = None  # the method every other is tested against (``reference_method``)
+
+    @property
+    def reference_method(self) -> str:
+        """The method the report compares every other with: ``reference`` when given, else
+        ``vespo`` when it is in the grid, else the last method listed."""
+        labels = [spec.label for spec in self.methods]
+        return self.reference or ("vespo" if "vespo" in labels else labels[-1])
 
     @property
     def mode(self) -> str:
@@ -199,3 +207,8 @@ class Sweep:
             self.cell_config(cell).validate()  # a bad method spec fails before any run
         if self.jobs < 1:
             raise ValueError(f"jobs: must be >= 1 (got {self.jobs})")
+        labels = [spec.label for spec in self.methods]
+        if self.reference is not None and self.reference not in labels:
+            raise ValueError(
+                f"reference: {self.reference!r} is not a method of the sweep; expected one of {labels}"
+            )
