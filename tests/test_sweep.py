@@ -497,7 +497,15 @@ def synthetic_report(finals: dict, seeds=(0, 1, 2)) -> dict:
         records.append({"method": method, "N": n, "runs": runs})
     methods = list(dict.fromkeys(method for method, _ in finals))
     staleness = sorted({n for _, n in finals})
-    return {"axis": "N", "methods": methods, "staleness": staleness, "seeds": list(seeds), "records": records}
+    reference = "vespo" if "vespo" in methods else methods[-1]  # Sweep.reference_method's default
+    return {
+        "axis": "N",
+        "methods": methods,
+        "reference": reference,
+        "staleness": staleness,
+        "seeds": list(seeds),
+        "records": records,
+    }
 
 
 def test_paired_differences_pair_runs_by_seed_and_mark_intervals_that_exclude_zero():
