@@ -128,7 +128,7 @@ PRESETS = {
     },
     # Train/inference mismatch alone: on-policy (N = 1), rollouts scored under bf16 autocast,
     # the learner in fp32. No correction / token TIS (cap 2) / VESPO with TIS folded into W /
-    # sequence-level masking (MIS, [0.5, 2]: the rejection variant). 12 cells, 39 min measured.
+    # sequence-level masked IS (MIS: weight rho, masked outside [0.5, 2]; the rejection variant). 12 cells, 39 min measured.
     "mismatch": {
         "methods": "clip,clip[correction=tis],vespo[correction=tis],clip[correction=mis]",
         "reference": "clip",  # the question: does a correction beat none? (each test: clip - correction)
