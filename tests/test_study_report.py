@@ -146,6 +146,8 @@ def test_a_named_reference_is_the_method_every_other_is_tested_against(tmp_path)
         [-0.05, 0.02, -0.05]
     )
     sweep.reference = "sapo"
+    with pytest.raises(ValueError, match=r"reference: 'sapo' is not a method of the sweep"):
+        analyse(sweep, load_runs(sweep))  # the --report-only path, which does not validate the grid
     with pytest.raises(
         ValueError,
         match=r"reference: 'sapo' is not a method of the sweep; expected one of \['clip', 'vespo'\]",

@@ -153,6 +153,10 @@ class Sweep:
         """The method the report compares every other with: ``reference`` when given, else
         ``vespo`` when it is in the grid, else the last method listed."""
         labels = [spec.label for spec in self.methods]
+        if self.reference is not None and self.reference not in labels:
+            raise ValueError(
+                f"reference: {self.reference!r} is not a method of the sweep; expected one of {labels}"
+            )
         return self.reference or ("vespo" if "vespo" in labels else labels[-1])
 
     @property
@@ -207,8 +211,4 @@ class Sweep:
             self.cell_config(cell).validate()  # a bad method spec fails before any run
         if self.jobs < 1:
             raise ValueError(f"jobs: must be >= 1 (got {self.jobs})")
-        labels = [spec.label for spec in self.methods]
-        if self.reference is not None and self.reference not in labels:
-            raise ValueError(
-                f"reference: {self.reference!r} is not a method of the sweep; expected one of {labels}"
-            )
+        _ = self.reference_method  # raises for a --reference that is not a method of the sweep

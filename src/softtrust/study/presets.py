@@ -116,9 +116,9 @@ PRESETS = {
     },
     # Asynchronous training: the concurrent rollout worker lagging by at most K in {1, 16},
     # one cell at a time (jobs 1: the worker's thread and the learner share the two cores, and
-    # throughput must not be confounded by a second cell). Measured: 4.4-4.9 min a cell alone.
+    # throughput must not be confounded by a second cell). Measured: 4.1-5.1 min a cell alone.
     # First run with 3 seeds (the budget), extended to 5 when clip's fall at K = 16 came
-    # out the largest effect of the study: 30 cells, ~2.4 h.
+    # out the study's largest among methods with a trust region: 30 cells, 2.2 h of cell time.
     "async": {
         "methods": "clip,vespo,m2po",
         "staleness": "1,16",
