@@ -464,7 +464,7 @@ def analyse(
         run["wall_seconds"] for record in records for run in record["runs"] if run["wall_seconds"] is not None
     ]
     report = {
-        "methods": [spec.label for spec in sweep.methods],
+        "methods": sweep.labels,
         "reference": sweep.reference_method,
         "staleness": sweep.staleness,
         "axis": sweep.axis,

@@ -149,10 +149,15 @@ class Sweep:
     reference: str | None = None  # the method every other is tested against (``reference_method``)
 
     @property
+    def labels(self) -> list[str]:
+        """The methods' labels (``MethodSpec.label``), in grid order."""
+        return [spec.label for spec in self.methods]
+
+    @property
     def reference_method(self) -> str:
         """The method the report compares every other with: ``reference`` when given, else
         ``vespo`` when it is in the grid, else the last method listed."""
-        labels = [spec.label for spec in self.methods]
+        labels = self.labels
         if self.reference is not None and self.reference not in labels:
             raise ValueError(
                 f"reference: {self.reference!r} is not a method of the sweep; expected one of {labels}"

@@ -108,7 +108,7 @@ def run_sweep(sweep: Sweep) -> dict:
     atomic_write_json(
         sweep.output_dir / "sweep.json",
         {
-            "methods": [spec.label for spec in sweep.methods],
+            "methods": sweep.labels,
             "staleness": sweep.staleness,
             "seeds": sweep.seeds,
             "axis": sweep.axis,
