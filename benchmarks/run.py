@@ -89,7 +89,9 @@ How the call is built (`PolicyLoss.__call__`, the same composition for every met
 fused twin): on CPU tensors the value checks read one sum per input (and the token count) on
 the host; when they are finite the token log-ratio is masked by a multiply (PyTorch's CPU
 bool selects run 5-20× slower than a multiply), a detached-weight method (VESPO, CISPO) gets
-its log-ratio without an autograd graph and clamps and masks it in place, the method's one
+its log-ratio without an autograd graph and clamps and masks it in place (a method whose ratio
+is differentiated clamps it with `hardtanh`: the same value as `torch.clamp`, and one fused
+backward kernel where `clamp`'s runs four passes over bool tensors), the method's one
 formula gives ℓ (Clip as `-A·clamp(r, low_A, high_A)` with the bound that binds for A's
 sign, SAPO with its constants on the [B, 1] advantages), and the aggregation is one dot
 product with the mask (its backward is one multiply) or a masked row sum for per-row weights.

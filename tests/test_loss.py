@@ -221,6 +221,33 @@ def test_kl_k3_never_overflows():
     assert torch.isfinite(st.kl_estimate(logprobs, ref, "k3")).all()
 
 
+@pytest.mark.parametrize("check_values", [True, False])
+def test_token_log_ratio_clamp_keeps_the_gradient_inside_and_zeroes_it_beyond(check_values):
+    """PSPO's ℓ = -((1-α)·r + α)·A has slope -(1-α)·r·A in logp: exact inside ±c, zero beyond
+    (the clamp's value e^c stays). Both masking paths (checked values: multiply; unchecked: where)."""
+    alpha, clamp = 0.1, 5.0
+    loss_fn = st.PolicyLoss(
+        "pspo", aggregation="token-sum", alpha=alpha, log_ratio_clamp=clamp, check_values=check_values
+    )
+    log_r = torch.tensor([[4.5, -4.5, 5.5, -7.0]], dtype=torch.float64)
+    logprobs = torch.zeros_like(log_r)
+    advantages = torch.tensor([2.0], dtype=torch.float64)
+    mask = torch.ones_like(log_r, dtype=torch.bool)
+    loss, grad, _ = loss_and_grad(loss_fn, logprobs, -log_r, advantages, mask)
+    ratio = torch.exp(log_r.clamp(-clamp, clamp))
+    assert loss.item() == pytest.approx((-((1 - alpha) * ratio + alpha) * 2.0).sum().item())
+    inside = -(1 - alpha) * ratio * 2.0
+    assert grad[0].tolist() == pytest.approx([inside[0, 0].item(), inside[0, 1].item(), 0.0, 0.0], abs=1e-12)
+
+
+def test_clamp_log_ratio_has_clamp_values_and_a_slope_of_one_strictly_inside():
+    x = torch.tensor([-math.inf, -25.0, -20.0, -3.0, 0.0, 19.5, 20.0, 21.0, math.inf], requires_grad=True)
+    clamped = st.ratios.clamp_log_ratio(x, 20.0)
+    assert clamped.tolist() == x.detach().clamp(-20.0, 20.0).tolist()
+    clamped.sum().backward()
+    assert x.grad.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
 def test_importance_corrected_kl_multiplies_by_token_ratio():
     logprobs, old, advantages, mask = random_batch(seed=20)
     ref = logprobs - 0.3

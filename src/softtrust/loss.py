@@ -48,7 +48,13 @@ from softtrust.corrections import (
 from softtrust.kl import KL, kl_estimate
 from softtrust.methods import DetachedWeightMethod, LossContext, Method, make_method
 from softtrust.metrics import loss_metrics
-from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, LEVELS, clamped_log_ratio, level_log_ratio
+from softtrust.ratios import (
+    DEFAULT_LOG_RATIO_CLAMP,
+    LEVELS,
+    clamp_log_ratio,
+    clamped_log_ratio,
+    level_log_ratio,
+)
 
 
 @dataclass
@@ -381,7 +387,7 @@ class PolicyLoss:
         clamp = self.log_ratio_clamp
         if finite:
             if raw_log_ratio.requires_grad:
-                token_log_ratio = raw_log_ratio.clamp(-clamp, clamp) * mask_f  # [B, T]
+                token_log_ratio = clamp_log_ratio(raw_log_ratio, clamp) * mask_f  # [B, T]
             else:  # a fresh tensor outside autograd: in place
                 token_log_ratio = raw_log_ratio.clamp_(-clamp, clamp).mul_(mask_f)
             rollout, ref = (None if x is None else x * mask_f for x in (rollout, ref))

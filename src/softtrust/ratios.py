@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from softtrust._validation import check_choice
 
@@ -53,6 +54,18 @@ DEFAULT_LOG_RATIO_CLAMP = 20.0
 def masked_sequence_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``Σ_t m·x`` per row, [B, T] -> [B, 1], for ``x`` finite at masked positions and a 0/1 float mask."""
     return (x * mask).sum(dim=-1, keepdim=True)  # [B, 1]
+
+
+def clamp_log_ratio(log_ratio: torch.Tensor, clamp: float = DEFAULT_LOG_RATIO_CLAMP) -> torch.Tensor:
+    """``log_ratio`` clamped to ``[-c, c]``, with one fused backward kernel.
+
+    The value is ``torch.clamp``'s. The gradient is 1 strictly inside the bounds and 0
+    at and beyond them (``torch.clamp``'s is also 1 at the bounds; a set of measure zero).
+    It is ``hardtanh``: on the CPU ``torch.clamp``'s backward runs four passes over bool
+    tensors, which made it the largest single cost of a ratio method's loss (fwd + bwd
+    of [128, 1024]: 658 µs against 77 µs, one thread).
+    """
+    return F.hardtanh(log_ratio, -clamp, clamp)
 
 
 def clamped_log_ratio(
@@ -71,7 +84,7 @@ def clamped_log_ratio(
         usual (-inf becomes -c: the current policy gives the token no mass); a
         non-finite ``recorded`` one gives NaN (see the module docstring).
     """
-    return torch.where(torch.isfinite(recorded), (logprobs - recorded).clamp(-clamp, clamp), math.nan)
+    return torch.where(torch.isfinite(recorded), clamp_log_ratio(logprobs - recorded, clamp), math.nan)
 
 
 def level_log_ratio(
