@@ -110,7 +110,7 @@ def level_log_ratio(
         return token_log_ratio
     total = token_log_ratio.sum(dim=-1, keepdim=True)  # [B, 1]
     if level == "sequence-sum":
-        return total.clamp(-clamp, clamp)  # [B, 1]; a product of T ratios can overflow exp
+        return clamp_log_ratio(total, clamp)  # [B, 1]; a product of T ratios can overflow exp
     mean = total / num_active.clamp(min=1)  # [B, 1]; clamp(min=1): empty rows give 0, not NaN
     if level == "sequence-mean":
         return mean
