@@ -662,7 +662,9 @@ def test_warm_start_stops_at_the_target_accuracy_and_caches_the_steps_it_took(tm
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(tokenizer, TinyModelConfig(), seed=0)
         events = []
-        run = type("Run", (), {"writes": False, "log_event": lambda self, record: events.append(record)})()
+        run = type(
+            "Run", (), {"writes": False, "log_event": lambda self, record: events.append(record), "notice": print}
+        )()
         warm_start_policy(config, run, model, tokenizer, task, eval_problems, config.effective_sft_steps)
         validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
         return events[-1], greedy_accuracy(model, tokenizer, task, validation, 3)

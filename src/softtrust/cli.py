@@ -64,13 +64,21 @@ def run_train(arguments: argparse.Namespace) -> int:
     except TrainingStopped as error:
         print(f"softtrust train: {error}", file=sys.stderr)
         return 1
-    schedule = f"N={summary['staleness']}" if summary["mode"] == "sync" else f"async, K={summary['max_lag']}"
-    print(
-        f"held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
-        f"after {summary['steps']} steps of {summary['method']} ({schedule}) "
-        f"in {summary['wall_seconds']:.0f} s; run directory: {summary['final_dir'].rsplit('/final', 1)[0]}"
-    )
+    print(result_line(summary))
     return 0
+
+
+def result_line(summary: dict) -> str:
+    """The run's last line: held-out accuracy before and after, and whether it rose."""
+    schedule = f"N={summary['staleness']}" if summary["mode"] == "sync" else f"async, K={summary['max_lag']}"
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    change = 100 * (after - before)
+    verdict = f"rose by {change:.1f} points" if change > 0 else f"did not rise ({change:+.1f} points)"
+    return (
+        f"held-out accuracy {before:.3f} -> {after:.3f} ({verdict}) after {summary['steps']} steps of "
+        f"{summary['method']} ({schedule}) in {summary['wall_seconds']:.0f} s; "
+        f"run directory: {summary['final_dir'].rsplit('/final', 1)[0]}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

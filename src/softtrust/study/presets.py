@@ -8,7 +8,7 @@ from __future__ import annotations
 # 22 % held-out accuracy (the supervised curve is steep there: 550 steps give 7 %, 680 give 45 %).
 # 256 held-out problems (standard error of one evaluation at most 0.031). Kept as
 # `--preset addition` and for the learning-rate view, whose documented results used it.
-ADDITION_SETUP = {"max_steps": 128, "sft_steps": 620, "eval_size": 256}
+ADDITION_SETUP = {"max_steps": 128, "sft_steps": 620, "sft_target_accuracy": None, "eval_size": 256}
 
 # The study's default setup (long completions): 3-digit addition with a written carry
 # scratchpad (`123+459=` -> `3+9=12,2+5+1=8,1+4=5|0582`, ~26 tokens + eos; only the answer

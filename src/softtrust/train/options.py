@@ -63,6 +63,9 @@ def _coerce(cls, name: str, value):
         if _is_optional(cls, name):
             return None
         raise ValueError(f"{name}: expected {_kind_name(kind)}, got null")
+    if kind in (int, float) and isinstance(value, str) and value.strip().lower() in NULL_WORDS:
+        if _is_optional(cls, name):  # an optional number unset from the command line: --flag none
+            return None
     if kind is dict:
         if isinstance(value, str):
             return parse_key_values(value, name)
@@ -116,6 +119,7 @@ def _strict_float(name: str, value) -> float:
     return number
 
 
+NULL_WORDS = ("none", "null")
 BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
 

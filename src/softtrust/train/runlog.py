@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,6 +76,7 @@ class RunLog:
 
             self.tensorboard = SummaryWriter(log_dir=str(directory / "tensorboard"))
         self.last_postfix: dict = {}
+        self.warmstart: dict = {}  # what the warm start did (warmstart_* fields), for the summary
 
     @classmethod
     def open(cls, config: TrainConfig, world: World | None = None) -> RunLog:
@@ -102,6 +104,8 @@ class RunLog:
         if config.resume is not None:
             run.rewards = [(r["step"], r["reward/mean"]) for r in read_jsonl(run.metrics_path)]
             run.accuracies = [(r["step"], r["eval/accuracy"]) for r in run._records() if "eval/accuracy" in r]
+            starts = [r for r in read_jsonl(run.events_path) if "warmstart_steps" in r]
+            run.warmstart = {k: v for k, v in starts[-1].items() if k.startswith("warmstart")} if starts else {}
         return run
 
     def _records(self) -> list[dict]:
@@ -126,6 +130,15 @@ class RunLog:
             self.last_postfix["acc"] = f"{record['eval/accuracy']:.3f}"
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def notice(self, message: str) -> None:
+        """One line on the terminal (standard error, below any progress bar) and a ``notice`` event."""
+        if not self.writes:
+            return
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"softtrust train: {message}", file=sys.stderr)
+        self.log_event({"notice": message})
 
     def log_samples(self, step: int, kind: str, samples: list[dict]) -> None:
         """Append ``samples`` (prompt as fed to the model, completion, rewards) to ``samples.jsonl``,
@@ -204,6 +217,7 @@ class RunLog:
             "mode": config.mode,
             "max_lag": config.max_lag,
             "wall_seconds": wall_seconds,
+            **self.warmstart,
             "nonfinite_skips": state.nonfinite_skips,
             "reward_failures": state.reward_failures,
             "completion_tokens": state.completion_tokens,

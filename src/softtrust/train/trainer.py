@@ -315,8 +315,8 @@ def load_policy(config: TrainConfig, run: RunLog, task, eval_problems, world: Wo
 def warm_start_policy(
     config: TrainConfig, run: RunLog, model, tokenizer, task, eval_problems, steps: int
 ) -> None:
-    """The cached supervised warm start (``warmstart.py``), with a progress bar."""
-    bar = run.simple_bar(steps, "warm start (supervised)") if config.progress and run.writes else None
+    """The cached supervised warm start (``warmstart.py``), with a progress bar while it trains;
+    one line on the terminal (and a ``notice`` event) when it stops below its target."""
     target = None
     if config.sft_target_accuracy is not None:
         validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
@@ -326,33 +326,58 @@ def warm_start_policy(
                 trained, tokenizer, task, validation, config.max_new_tokens, strict=config.strict_reward
             ),
         )
-    cache_file, cached, taken = warm_start(
-        model,
-        tokenizer,
-        task,
-        steps=steps,
-        lr=config.sft_lr,
-        batch_size=config.sft_batch_size,
-        seed=config.seed,
-        key_extra={
-            "model": config.model or TinyModelConfig().__repr__(),
-            "eval": (EVAL_SEED, config.eval_size),
-            "dataset": config.dataset,
-            # the stopping rule's validation set and decoding length shape a target-accuracy warm start
-            **(
-                {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.max_new_tokens)}
-                if target is not None
-                else {}
-            ),
-        },
-        cache_dir=config.cache_dir,
-        exclude=eval_problems,
-        progress=(lambda step, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))) if bar else None,
-        target=target,
-    )
-    if bar:
-        bar.close()
-    run.log_event({"warmstart": str(cache_file), "warmstart_cached": cached, "warmstart_steps": taken})
+    bar = None
+
+    def progress(step: int, loss: float) -> None:
+        nonlocal bar
+        if bar is None:  # created on the first trained step: a cached warm start shows no bar
+            bar = run.simple_bar(steps, "warm start (supervised)")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    try:
+        done = warm_start(
+            model,
+            tokenizer,
+            task,
+            steps=steps,
+            lr=config.sft_lr,
+            batch_size=config.sft_batch_size,
+            seed=config.seed,
+            key_extra={
+                "model": config.model or TinyModelConfig().__repr__(),
+                "eval": (EVAL_SEED, config.eval_size),
+                "dataset": config.dataset,
+                # the stopping rule's validation set and decoding length shape a target-accuracy warm start
+                **(
+                    {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.max_new_tokens)}
+                    if target is not None
+                    else {}
+                ),
+            },
+            cache_dir=config.cache_dir,
+            exclude=eval_problems,
+            progress=progress if config.progress and run.writes else None,
+            target=target,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    run.warmstart = {
+        "warmstart": None if done.cache_file is None else str(done.cache_file),
+        "warmstart_cached": done.cached,
+        "warmstart_steps": done.steps,
+        "warmstart_accuracy": done.accuracy,
+        "warmstart_target": done.target,
+        "warmstart_reached": done.reached,
+    }
+    run.log_event(dict(run.warmstart))
+    if not done.reached:
+        run.notice(
+            f"the warm start stopped at its cap of {steps} steps with validation accuracy "
+            f"{done.accuracy:.3f}, below its target {done.target} (--sft-target-accuracy); RL starts "
+            "from there (raise --sft-steps to let it reach the target)"
+        )
 
 
 def build_rollout_source(

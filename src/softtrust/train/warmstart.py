@@ -1,27 +1,63 @@
 """The supervised warm start: teach the task's targets briefly, cache the result.
 
 RL from a random tiny model never sees a reward; a short supervised phase brings it to
-a modest accuracy first. The result is cached under ``<cache>/warmstart/<hash>.safetensors``,
-keyed by everything that determines it (model size, seed, task, steps, learning rate,
-batch size), and written atomically, so a rerun skips the phase.
+a modest accuracy first. The supervised curve of 3-digit addition has a sharp jump (from
+~1 % to ~40 % within ~50 steps) whose position moves by hundreds of steps with the seed and
+with the CPU's float path (``ATEN_CPU_CAPABILITY``), so a fixed step count lands on either
+side of it: the embedded default stops on a validation accuracy target instead.
+
+The result is cached under ``<cache>/warmstart/<hash>.safetensors``, keyed by everything that
+determines it (model size, seed, task, steps, learning rate, batch size, target, and the float
+path: torch version, CPU kernel set, thread count), written atomically and trained by one
+process at a time (a lock beside the entry: concurrent runs of one seed wait and load it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_model, save_model
 
 from .rollout import encode_prompts
 
-WARMSTART_VERSION = 1  # bump when the warm-start recipe changes
+WARMSTART_VERSION = 2  # bump when the warm-start recipe changes (2: the float path in the key)
+
+
+class WarmStart(NamedTuple):
+    """What ``warm_start`` did.
+
+    ``accuracy``: the validation accuracy where it stopped (``None`` without a target);
+    ``reached``: whether it reached ``target`` (``True`` without one)."""
+
+    cache_file: Path | None
+    cached: bool
+    steps: int
+    accuracy: float | None = None
+    target: float | None = None
+
+    @property
+    def reached(self) -> bool:
+        return self.target is None or (self.accuracy is not None and self.accuracy >= self.target)
+
+
+def float_path() -> dict:
+    """What decides the float results of a CPU computation besides the code: the torch version,
+    the CPU kernel set PyTorch dispatches to (``ATEN_CPU_CAPABILITY`` picks it; ``default``,
+    ``avx2``, ``avx512``, ...) and the intra-op thread count."""
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -98,7 +134,7 @@ def supervised_finetune(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if progress is not None:
-            progress(step, float(loss))
+            progress(step, float(loss.detach()))
         if reached is not None and (step + 1) % check_every == 0 and reached(model):
             model.eval()
             return step + 1
@@ -120,35 +156,55 @@ def warm_start(
     exclude=(),
     progress=None,
     target: tuple[float, Callable[[torch.nn.Module], float]] | None = None,
-) -> tuple[Path | None, bool, int]:
+) -> WarmStart:
     """Load the cached warm start for this recipe, or train it and cache it atomically.
 
     ``target``: ``(accuracy, accuracy_of)``: stop once ``accuracy_of(model) >= accuracy``
-    (checked every 10 steps; ``steps`` is then the maximum). The steps taken are stored
-    next to the weights, so a cached entry reports them too.
+    (checked every 10 steps; ``steps`` is then the maximum). The steps taken and the accuracy
+    reached are stored next to the weights, so a cached entry reports them too.
+    ``progress(step, loss)`` is called after each supervised step (never for a cached entry).
 
     Returns:
-        ``(cache_file, loaded_from_cache, steps_taken)``; ``(None, False, 0)`` when ``steps == 0``.
+        a ``WarmStart``; ``WarmStart(None, False, 0)`` when ``steps == 0``.
     """
     if steps == 0:
-        return None, False, 0
-    recipe = dict(task=task.name, steps=steps, lr=lr, batch_size=batch_size, seed=seed, **key_extra)
+        return WarmStart(None, False, 0)
+    recipe = dict(
+        task=task.name, steps=steps, lr=lr, batch_size=batch_size, seed=seed, **key_extra, **float_path()
+    )
     if target is not None:
         recipe["target_accuracy"] = target[0]
     cache_file = cache_root(cache_dir) / "warmstart" / f"{warmstart_key(**recipe)}.safetensors"
-    if cache_file.is_file():
-        try:
-            load_model(model, str(cache_file))
-            model.eval()
-            return cache_file, True, _steps_taken(cache_file, steps)
-        except Exception:
-            cache_file.unlink(missing_ok=True)  # a corrupt cache entry: retrain
+    goal = None if target is None else target[0]
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(cache_file.with_suffix(".lock")):  # one trainer per entry; the others load it
+        if cache_file.is_file():
+            try:
+                load_model(model, str(cache_file))
+                model.eval()
+                taken, accuracy = _stored(cache_file, steps)
+                return WarmStart(cache_file, True, taken, accuracy, goal)
+            except Exception:
+                cache_file.unlink(missing_ok=True)  # a corrupt cache entry: retrain
+        taken, accuracy = _train(model, tokenizer, task, steps, lr, batch_size, seed, exclude, progress, target)
+        _save_atomically(model, cache_file, taken, accuracy)
+    return WarmStart(cache_file, False, taken, accuracy, goal)
+
+
+def _train(model, tokenizer, task, steps, lr, batch_size, seed, exclude, progress, target):
+    """``supervised_finetune`` from ``seed`` (the caller's random state kept); returns the steps
+    taken and, with a target, the validation accuracy where it stopped."""
     random_state = random.getstate(), torch.get_rng_state()
     torch.manual_seed(seed)
+    measured: list[float] = []
     reached = None
     if target is not None:
-        accuracy, accuracy_of = target
-        reached = lambda trained: accuracy_of(trained) >= accuracy  # noqa: E731
+        goal, accuracy_of = target
+
+        def reached(trained) -> bool:
+            measured.append(accuracy_of(trained))
+            return measured[-1] >= goal
+
     try:
         taken = supervised_finetune(
             model,
@@ -171,21 +227,47 @@ def warm_start(
             f"sft_lr: the warm start diverged (non-finite weights in {bad[:3]}) with sft_lr={lr}; "
             "nothing was cached: lower --sft-lr"
         )
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    if target is not None and (not measured or (taken == steps and steps % 10)):
+        measured.append(target[1](model))  # the cap fell between two checks: measure where it ended
+    return taken, (measured[-1] if measured else None)
+
+
+def _save_atomically(model, cache_file: Path, taken: int, accuracy: float | None) -> None:
+    metadata = {"steps_taken": str(taken)}
+    if accuracy is not None:
+        metadata["accuracy"] = repr(float(accuracy))
     descriptor, temporary = tempfile.mkstemp(dir=cache_file.parent, prefix=".tmp-", suffix=".safetensors")
     os.close(descriptor)
     try:
-        save_model(model, temporary, metadata={"steps_taken": str(taken)})
+        save_model(model, temporary, metadata=metadata)
         os.replace(temporary, cache_file)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-    return cache_file, False, taken
 
 
-def _steps_taken(cache_file: Path, default: int) -> int:
-    """The supervised steps a cached warm start took (its metadata; older entries: ``default``)."""
+@contextlib.contextmanager
+def _exclusive(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_file`` (released by the kernel if the process dies,
+    so a killed trainer never leaves it stuck); a no-op where ``fcntl`` is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _stored(cache_file: Path, default_steps: int) -> tuple[int, float | None]:
+    """The supervised steps a cached warm start took and the validation accuracy it stopped at."""
     from safetensors import safe_open
 
     with safe_open(str(cache_file), framework="pt") as handle:
-        return int((handle.metadata() or {}).get("steps_taken", default))
+        metadata = handle.metadata() or {}
+    accuracy = metadata.get("accuracy")
+    return int(metadata.get("steps_taken", default_steps)), None if accuracy is None else float(accuracy)
