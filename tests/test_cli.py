@@ -42,6 +42,16 @@ def test_help_documents_every_config_field(capsys):
         assert flag in text
 
 
+def test_help_shows_each_list_option_with_its_element_type(capsys):
+    """``--reward-weights`` takes numbers such as ``1,0.2``; its help showed ``INT,...``."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--reward-weights FLOAT,..." in text
+    assert "--lag-schedule INT,..." in text
+    assert parse("--reward-weights", "1,0.2").reward_weights == [1.0, 0.2]
+
+
 def test_yaml_config_then_flags_override_it(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("method: sapo\nstaleness: 4\nmethod_params: {tau_neg: 1.1}\nlr: 0.001\n")

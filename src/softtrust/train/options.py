@@ -238,7 +238,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            metavar = {int: "INT", float: "FLOAT", dict: "K=V,...", list: "INT,..."}.get(kind, "STR")
+            metavar = {int: "INT", float: "FLOAT", dict: "K=V,..."}.get(kind, "STR")
+            if kind is list:  # --reward-weights 1,0.2 takes numbers, --lag-schedule 0,1,2 integers
+                metavar = "FLOAT,..." if _list_element(TrainConfig, f.name) is _strict_float else "INT,..."
             parser.add_argument(
                 *flags, dest=f.name, default=argparse.SUPPRESS, metavar=metavar, help=help_text
             )
