@@ -73,6 +73,10 @@ def add_sweep_arguments(parser) -> None:
     )
 
 
+class UnknownArguments(ValueError):
+    """A flag that is neither a sweep flag nor a train flag (reported with the sweep's usage)."""
+
+
 def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell)."""
     import argparse
@@ -83,8 +87,9 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     add_config_arguments(train_parser)
     train_arguments, unknown = train_parser.parse_known_args(extra)
     if unknown:
-        raise ValueError(
-            f"sweep: unrecognised arguments {unknown} (see softtrust sweep --help / train --help)"
+        raise UnknownArguments(
+            f"unrecognized arguments: {' '.join(unknown)} (neither a sweep flag nor a train flag: see "
+            "softtrust sweep --help and softtrust train --help)"
         )
     given = set(vars(train_arguments)) - {"config"}  # flags default to SUPPRESS: only those given
     overrides_config = config_from_arguments(train_arguments)
@@ -137,6 +142,10 @@ def run_sweep_command(arguments, extra: list[str]) -> int:
             print(f"report written to {sweep.output_dir}")
             return 0
         result = run_sweep(sweep)
+    except UnknownArguments as error:  # with the sweep's usage, as argparse reports its own flags
+        arguments.command_parser.print_usage(sys.stderr)
+        print(f"softtrust sweep: error: {error}", file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"softtrust sweep: error: {error}", file=sys.stderr)
         return 2
