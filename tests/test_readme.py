@@ -35,3 +35,16 @@ def test_readme_states_the_two_commands_and_ci_runs_the_test_one():
     assert "bash scripts/test.sh" in text
     ci = (README.parent / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci
+
+
+def test_readme_and_training_doc_name_every_file_a_run_writes():
+    """``RUN_FILES`` is what a run writes; the README listed neither ``events.jsonl`` nor
+    ``samples.jsonl`` (nor ``tensorboard/``)."""
+    from softtrust.train.runlog import RUN_FILES
+
+    readme = README.read_text()
+    run_directory = readme[readme.index("The run directory") :].split("Every option:", 1)[0]
+    table = (README.parent / "docs" / "training.md").read_text().split("## The run directory", 1)[1]
+    for name in RUN_FILES:
+        assert f"`{name}`" in run_directory or f"`{name}/`" in run_directory, name
+        assert f"| `{name}" in table, name
