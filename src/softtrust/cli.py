@@ -80,6 +80,22 @@ def run_train(arguments: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``softtrust COMMAND``; a module of an extra that is not installed (a core-only
+    ``pip install -e .`` has no trainer) is one error line naming the extra, exit code 2."""
+    from softtrust._optional import missing_module_message
+
+    try:
+        return run_command(argv)
+    except ModuleNotFoundError as error:
+        message = missing_module_message(error)
+        if message is None:
+            raise
+        print(f"softtrust: error: {message}", file=sys.stderr)
+        return 2
+
+
+def run_command(argv: list[str] | None) -> int:
+    """Parse ``argv`` and call the subcommand's handler."""
     parser = build_parser()
     arguments, extra = parser.parse_known_args(argv)
     if getattr(arguments, "handler", None) is None:

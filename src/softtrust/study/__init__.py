@@ -15,7 +15,7 @@ The sweep directory holds:
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
 | ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses (a run still going counts in the collapses and curves only: its best so far is not a result) |
 | ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods; the outcome-based cells; the paired tests and differences-in-differences with the Holm adjustment; the diagnostics against the lag; the code of the runs |
-| ``curves.png``, ``final_vs_staleness.png``, ``lag.png`` | the figures (with ``--lrs``: at the smallest learning rate) |
+| ``curves.png``, ``final_vs_staleness.png``, ``lag.png`` | the figures (with ``--lrs``: at the smallest learning rate; skipped with a one-line notice without matplotlib) |
 | ``paired_differences.png`` | each paired comparison's per-seed differences with their mean and 95 % interval |
 | ``lr_stability.png`` | with ``--lrs``: the largest stable learning rate against N, one line per method |
 
@@ -50,7 +50,7 @@ The package, one job per module:
 | ``cell`` | one cell's process (``python -m softtrust.study.cell``) |
 | ``runs`` | reading run directories into raw run records |
 | ``analysis`` | a pure function from run records to the report (collapse, outcomes, lr stability, paired tests, differences-in-differences, the lag view, the code check) |
-| ``stats`` | intervals, the paired t and exact sign tests, the Holm adjustment (``scipy.stats``) |
+| ``stats`` | intervals, the paired t and exact sign tests, the Holm adjustment (``scipy.stats``: checked before any cell runs) |
 | ``markdown``, ``plots`` | render the report (nothing else) |
 | ``report`` | read, analyse, render: the files of the sweep directory |
 | ``cli`` | ``softtrust sweep``'s flags and command |

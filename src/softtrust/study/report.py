@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+from softtrust._optional import MissingDependency, require
 from softtrust._runfiles import atomic_write_json, atomic_write_text
 
 from .analysis import CollapseCriterion, analyse, at_lr
@@ -11,16 +14,33 @@ from .plots import plot_curves, plot_final_vs_staleness, plot_lag, plot_lr_stabi
 from .runs import load_runs
 
 
+def require_report_dependencies() -> None:
+    """The report's statistics need scipy: refused (``ValueError`` naming ``sweep``) before any
+    cell runs, not after hours of them. The figures only need matplotlib when it is there."""
+    require("scipy", "the report (its intervals and tests)", name="sweep")
+
+
 def write_report(
     sweep: Sweep, wall_seconds: float | None = None, criterion: CollapseCriterion | None = None
 ) -> dict:
     """``summary.json``, ``summary.md``, ``curves.png``, ``final_vs_staleness.png``,
     ``paired_differences.png``, ``lag.png`` (and ``lr_stability.png`` with ``--lrs``) in the
     sweep directory; returns the report. Refuses (``ValueError``) runs of different code
-    unless ``sweep.allow_mixed_code``."""
+    unless ``sweep.allow_mixed_code``. Without matplotlib the figures are skipped with a
+    one-line notice on stderr (the tables are the report)."""
+    require_report_dependencies()
     report = analyse(sweep, load_runs(sweep), criterion, wall_seconds, sweep.allow_mixed_code)
     atomic_write_json(sweep.output_dir / "summary.json", report)
     atomic_write_text(sweep.output_dir / "summary.md", markdown_table(report))
+    try:
+        write_figures(sweep, report)
+    except MissingDependency as missing:
+        print(f"softtrust sweep: note: figures not written: {missing}", file=sys.stderr, flush=True)
+    return report
+
+
+def write_figures(sweep: Sweep, report: dict) -> None:
+    """The report's figures (``MissingDependency`` without matplotlib)."""
     first = at_lr(report, sweep.lrs[0]) if sweep.lrs else report  # the figures: the smallest lr
     plot_curves(first, sweep.output_dir / "curves.png")
     plot_final_vs_staleness(first, sweep.output_dir / "final_vs_staleness.png")
@@ -29,4 +49,3 @@ def write_report(
     plot_lag(first, sweep.output_dir / "lag.png")
     if sweep.lrs:
         plot_lr_stability(report, sweep.output_dir / "lr_stability.png")
-    return report

@@ -15,7 +15,7 @@ from softtrust.train.checkpoint import find_checkpoint
 from softtrust.train.config import TrainConfig
 
 from .grid import Cell, Sweep
-from .report import write_report
+from .report import require_report_dependencies, write_report
 from .runs import EXIT_BAD_CONFIG, EXIT_STOPPED
 
 # Exit codes of one cell's process (``python -m softtrust.sweep CELL.yaml``); any other is a crash.
@@ -103,6 +103,7 @@ def run_sweep(sweep: Sweep) -> dict:
     """Run every cell that is not done yet, then write the report. Returns the report plus
     ``ran`` / ``skipped`` (cell names) and ``failed`` (cells that crashed)."""
     sweep.validate()
+    require_report_dependencies()  # the report at the end needs scipy: refused before any cell runs
     sweep.output_dir.mkdir(parents=True, exist_ok=True)
     max_steps = sweep.max_steps
     atomic_write_json(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from softtrust._optional import require
 from softtrust.aggregation import AGGREGATIONS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
@@ -319,6 +320,8 @@ class TrainConfig:
 
         for f in dataclasses.fields(self):
             check_field_value(f, getattr(self, f.name))
+        for module in ("transformers", "tokenizers"):  # the train extra (a core-only install has neither)
+            require(module, "the trainer")
         need(self.method in METHODS, "method", f"unknown method; choose one of {sorted(METHODS)}")
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
         need(self.proximal in PROXIMAL, "proximal", f"choose one of {PROXIMAL}")
@@ -344,6 +347,8 @@ class TrainConfig:
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
+        if self.report_to == "tensorboard":  # asked for: refused before any work, not after
+            require("tensorboard", "--report-to tensorboard", name="report_to")
         need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"choose one of {KL_ESTIMATORS}")
         need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")

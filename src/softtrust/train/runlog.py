@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import secrets
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from softtrust._optional import MissingDependency, pyplot
 from softtrust._provenance import provenance
 from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
 
@@ -70,7 +72,7 @@ class RunLog:
         self.rewards: list[tuple[int, float]] = []
         self.accuracies: list[tuple[int, float]] = []
         self.tensorboard = None
-        if config.report_to == "tensorboard" and writes:
+        if config.report_to == "tensorboard" and writes:  # installed: TrainConfig.validate checks it
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(directory / "tensorboard"))
@@ -126,6 +128,14 @@ class RunLog:
             self.last_postfix["acc"] = f"{record['eval/accuracy']:.3f}"
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def warn(self, message: str, step: int) -> None:
+        """One line on stderr (``softtrust train: warning: ...``) and a ``{"warning": ...}`` line
+        in ``events.jsonl``: something the user should know that does not stop the run."""
+        if not self.writes:
+            return
+        print(f"softtrust train: warning: {message}", file=sys.stderr, flush=True)
+        self.log_event({"step": step, "warning": message})
 
     def log_samples(self, step: int, kind: str, samples: list[dict]) -> None:
         """Append ``samples`` (prompt as fed to the model, completion, rewards) to ``samples.jsonl``,
@@ -214,17 +224,18 @@ class RunLog:
         if not self.writes:
             return summary
         atomic_write_text(self.directory / "summary.json", json.dumps(summary, indent=2) + "\n")
-        self.plot()
+        try:
+            self.plot()
+        except MissingDependency as missing:  # the run's results are saved: a figure is not worth a crash
+            self.warn(f"reward_curve.png not written: {missing}", state.step)
         if self.tensorboard is not None:
             self.tensorboard.close()
         return summary
 
     def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        """``reward_curve.png``: reward per step and held-out accuracy (``MissingDependency``
+        without matplotlib)."""
+        plt = pyplot("the reward plot")
         figure, axis = plt.subplots(figsize=(7, 4))
         if self.rewards:
             steps, rewards = zip(*self.rewards, strict=True)
