@@ -13,7 +13,7 @@ The sweep directory holds:
 | ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
 | ``sweep.json`` | the grid and the shared overrides |
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
-| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses (a run still going counts in the collapses and curves only: its best so far is not a result) |
+| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses; each run's outcome: collapsed, not collapsed (finished its steps) or unfinished (started, no result for the planned steps: interrupted, crashed or still running; named in ``summary.md``, counted as neither; a collapse already seen in it counts, its best so far is not a result) |
 | ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods; the outcome-based cells; the paired tests and differences-in-differences with the Holm adjustment; the diagnostics against the lag; the code of the runs |
 | ``curves.png``, ``final_vs_staleness.png``, ``lag.png`` | the figures (with ``--lrs``: at the smallest learning rate; skipped with a one-line notice without matplotlib) |
 | ``paired_differences.png`` | each paired comparison's per-seed differences with their mean and 95 % interval |
@@ -35,6 +35,9 @@ that was run with other settings (say another ``--lr``) stops the sweep with a m
 naming them, rather than mixing old and new results in one table.
 
 The collapse criterion (``CollapseCriterion``, applied per run) is documented there.
+
+``--report-only`` rewrites the report from the runs already there; a sweep directory that does
+not exist, or holds no run of the grid given, is an error naming it (exit code 2).
 
 Every run records the code that made it (``summary.json["provenance"]``: git commit, dirty
 flag, package versions); the report refuses to pair runs of different code, naming the

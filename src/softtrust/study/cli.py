@@ -55,7 +55,10 @@ def add_sweep_arguments(parser) -> None:
         "--jobs", type=int, default=None, help="Cells run in parallel [default: the number of CPU cores]."
     )
     parser.add_argument(
-        "--report-only", action="store_true", help="Only rewrite the report from the runs already there."
+        "--report-only",
+        action="store_true",
+        help="Only rewrite the report from the runs already there (a missing directory, or one "
+        "without a run of the grid, is an error).",
     )
     parser.add_argument(
         "--allow-mixed-code",
@@ -132,13 +135,13 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
 def run_sweep_command(arguments, extra: list[str]) -> int:
     """``softtrust sweep``: run the grid (or only rewrite its report); exit 0, 1 (a cell
     failed), 2 (bad arguments) or 130 (interrupted: the same command resumes)."""
-    from .report import write_report
+    from .report import rewrite_report
     from .runner import run_sweep
 
     try:
         sweep = sweep_from_arguments(arguments, extra)
         if arguments.report_only:
-            write_report(sweep)
+            rewrite_report(sweep)
             print(f"report written to {sweep.output_dir}")
             return 0
         result = run_sweep(sweep)

@@ -20,16 +20,41 @@ def require_report_dependencies() -> None:
     require("scipy", "the report (its intervals and tests)", name="sweep")
 
 
+def rewrite_report(sweep: Sweep) -> dict:
+    """``--report-only``: the report of the runs already in the sweep directory. A directory that
+    does not exist or holds no run of this grid is a ``ValueError`` naming it, rather than an
+    all-empty report (a mistyped ``--output-dir``, or a grid other than the one that ran)."""
+    directory = sweep.output_dir
+    if not directory.is_dir():
+        raise ValueError(
+            f"output_dir: {str(directory)!r} does not exist; --report-only reads the directory of a sweep "
+            "that has run (give its --output-dir)"
+        )
+    runs = load_runs(sweep)
+    if not runs:
+        grid = f"{', '.join(sweep.labels)} x {sweep.axis} = {sweep.staleness} x seeds {sweep.seeds}"
+        raise ValueError(
+            f"output_dir: {str(directory)!r} holds no run of the grid {grid}; give the --preset, --methods, "
+            "--staleness, --seeds (and --lrs) the sweep ran with"
+        )
+    return write_report(sweep, runs=runs)
+
+
 def write_report(
-    sweep: Sweep, wall_seconds: float | None = None, criterion: CollapseCriterion | None = None
+    sweep: Sweep,
+    wall_seconds: float | None = None,
+    criterion: CollapseCriterion | None = None,
+    runs: dict | None = None,
 ) -> dict:
     """``summary.json``, ``summary.md``, ``curves.png``, ``final_vs_staleness.png``,
     ``paired_differences.png``, ``lag.png`` (and ``lr_stability.png`` with ``--lrs``) in the
     sweep directory; returns the report. Refuses (``ValueError``) runs of different code
     unless ``sweep.allow_mixed_code``. Without matplotlib the figures are skipped with a
-    one-line notice on stderr (the tables are the report)."""
+    one-line notice on stderr (the tables are the report). ``runs``: the cells' records
+    (``load_runs``), when already read."""
     require_report_dependencies()
-    report = analyse(sweep, load_runs(sweep), criterion, wall_seconds, sweep.allow_mixed_code)
+    runs = load_runs(sweep) if runs is None else runs
+    report = analyse(sweep, runs, criterion, wall_seconds, sweep.allow_mixed_code)
     atomic_write_json(sweep.output_dir / "summary.json", report)
     atomic_write_text(sweep.output_dir / "summary.md", markdown_table(report))
     try:
