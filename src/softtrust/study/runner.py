@@ -86,8 +86,8 @@ def check_same_settings(sweep: Sweep, cell: Cell) -> None:
     saved = cell.directory(sweep.output_dir) / "config.yaml"
     if not saved.is_file():
         return
-    before = TrainConfig.from_yaml(saved).to_dict()
-    now = sweep.cell_config(cell).to_dict()
+    before = TrainConfig.from_yaml(saved).resolved().to_dict()  # a default means what it resolves to
+    now = sweep.cell_config(cell).resolved().to_dict()
     changed = sorted(
         key for key in now if key not in SETTINGS_THAT_DO_NOT_MATTER and before.get(key) != now[key]
     )

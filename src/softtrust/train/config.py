@@ -40,6 +40,7 @@ REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EMBEDDED_MAX_NEW_TOKENS, MODEL_MAX_NEW_TOKENS = 6, 256  # TrainConfig.effective_max_new_tokens
 
 
 def _field(
@@ -202,7 +203,13 @@ class TrainConfig:
         "m, prompts per optimizer step (mini-batch); a sync rollout holds N x m prompts. Alias: --prompts-per-rollout.",
         low=1,
     )
-    max_new_tokens: int = _field(6, "Most tokens sampled per completion (end of sequence included).", low=1)
+    max_new_tokens: int | None = _field(
+        None,
+        "Most tokens sampled per completion (end of sequence included) (default: 6 for the embedded "
+        "model, whose answers are short; 256 for --model, room for a chat model's reply). A completion "
+        "cut at the limit has no end token and usually scores 0: the trainer warns once when most are.",
+        low=1,
+    )
     temperature: float = _field(
         1.0, "Sampling temperature (the learner scales logits by it too).", low=0, low_open=True
     )
@@ -310,6 +317,12 @@ class TrainConfig:
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    def resolved(self) -> TrainConfig:
+        """A copy with the defaults that depend on other fields filled in (``effective_sft_steps``,
+        ``effective_max_new_tokens``): what a run trains with and records in ``config.yaml``, so
+        a rerun or a resume from it uses the same values whatever the defaults become."""
+        return self.replace(sft_steps=self.effective_sft_steps, max_new_tokens=self.effective_max_new_tokens)
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> TrainConfig:
         """Check every field; raise ``ValueError`` naming the first bad one. Returns self."""
@@ -385,6 +398,15 @@ class TrainConfig:
         if self.sft_steps is not None:
             return self.sft_steps
         return 300 if self.uses_embedded_model else 0
+
+    @property
+    def effective_max_new_tokens(self) -> int:
+        """``max_new_tokens`` when given; else 6 for the embedded model (a 3-digit sum, its end
+        token and a spare) and 256 for ``--model`` (a chat model's reply: with 6, every completion
+        was cut, so every reward and gradient was 0). Read this, never the field."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return EMBEDDED_MAX_NEW_TOKENS if self.uses_embedded_model else MODEL_MAX_NEW_TOKENS
 
 
 def check_causal_lm_directory(path: str) -> None:

@@ -270,5 +270,5 @@ def load_resume_config(values: dict) -> TrainConfig:
     from .config import TrainConfig
 
     directory = run_directory_of(str(values["resume"]))
-    stored = TrainConfig.from_yaml(directory / "config.yaml")
+    stored = TrainConfig.from_yaml(directory / "config.yaml").resolved()  # older runs recorded None
     return resume_config(stored, values, directory)

@@ -77,6 +77,7 @@ class RunLog:
 
             self.tensorboard = SummaryWriter(log_dir=str(directory / "tensorboard"))
         self.last_postfix: dict = {}
+        self.warned: set[str] = set()  # the keys of the warnings given once (``warn``)
 
     @classmethod
     def open(cls, config: TrainConfig, world: World | None = None) -> RunLog:
@@ -129,11 +130,14 @@ class RunLog:
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
 
-    def warn(self, message: str, step: int) -> None:
+    def warn(self, message: str, step: int, once: str | None = None) -> None:
         """One line on stderr (``softtrust train: warning: ...``) and a ``{"warning": ...}`` line
-        in ``events.jsonl``: something the user should know that does not stop the run."""
-        if not self.writes:
+        in ``events.jsonl``: something the user should know that does not stop the run.
+        ``once``: a key; a second warning with the same key is dropped."""
+        if not self.writes or once in self.warned:
             return
+        if once is not None:
+            self.warned.add(once)
         print(f"softtrust train: warning: {message}", file=sys.stderr, flush=True)
         self.log_event({"step": step, "warning": message})
 
@@ -213,6 +217,7 @@ class RunLog:
             "staleness": config.staleness,
             "mode": config.mode,
             "max_lag": config.max_lag,
+            "max_new_tokens": config.effective_max_new_tokens,
             "wall_seconds": wall_seconds,
             "nonfinite_skips": state.nonfinite_skips,
             "reward_failures": state.reward_failures,

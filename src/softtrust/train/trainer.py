@@ -36,6 +36,9 @@ from .loss_config import build_method_loss
 from .rollout import (
     ProblemSampler,
     RewardScorer,
+    RolloutBatch,
+    cut_fraction,
+    end_token_ids,
     generate_rollout,
     greedy_accuracy,
     group_uniforms,
@@ -64,7 +67,7 @@ def train(config: TrainConfig) -> dict:
     (``resolve_resume``). Launched by ``torchrun`` with several processes, this is
     data-parallel training (DDP, or FSDP2 with ``fsdp``); see ``docs/distributed.md``.
     """
-    config = resolve_resume(config).validate()
+    config = resolve_resume(config).resolved().validate()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     world = init_world(config.fsdp, resolve_device(config.device))
@@ -87,6 +90,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
     checkpoint = find_checkpoint(config.resume) if config.resume is not None else None
     run = RunLog.open(config, world)  # the first file written
     tokenizer, model = load_policy(config, run, task, eval_problems, world)
+    end_ids = end_token_ids(tokenizer)  # what ends a completion (a cut one has none)
     reference = copy.deepcopy(model).eval().to(world.device) if config.kl_coef > 0 else None
     # The file layouts (tied weights once), read before any sharding.
     kept_names, final_names = save_kept_names(model), pretrained_names(model)
@@ -117,6 +121,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             if rollout is not None:
                 # 2. advantages: group-relative, from the rewards of the whole rollout
                 rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
+                warn_if_cut(run, rollout.batch, end_ids, config, state.step)
             minibatch = rollouts.next(state.step)
             collect_seconds = time.time() - collect_start
             state.reward_failures = int(world.sum(scorer.failures))
@@ -163,6 +168,25 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
     run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
     final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
     return run.finish(config, model, tokenizer, state, accuracy_after, time.time() - started, final_state)
+
+
+CUT_WARNING = 0.5  # warn (once) when more than this share of a rollout's completions is cut
+
+
+def warn_if_cut(run: RunLog, batch: RolloutBatch, end_ids: list[int], config: TrainConfig, step: int) -> None:
+    """Warn once (``RunLog.warn``) when most of a rollout's completions reached ``max_new_tokens``
+    without an end token (``rollout.cut_fraction``): a cut completion usually scores 0, so reward
+    and gradient vanish without any error (a chat model with the embedded model's 6 tokens)."""
+    limit = config.effective_max_new_tokens
+    share = cut_fraction(batch, end_ids, limit)
+    if share > CUT_WARNING:
+        run.warn(
+            f"{share:.0%} of the completions sampled at step {step} reached --max-new-tokens {limit} "
+            "without an end token; a cut completion usually scores 0 (no reward, no gradient): "
+            "raise --max-new-tokens",
+            step,
+            once="cut completions",
+        )
 
 
 def rollout_advantages(
@@ -271,8 +295,9 @@ def resolve_resume(config: TrainConfig) -> TrainConfig:
     if config.resume is None:
         return config
     directory = run_directory_of(config.resume)
-    stored = TrainConfig.from_yaml(directory / "config.yaml")
-    changes = {key: value for key, value in config.to_dict().items() if value != getattr(stored, key)}
+    stored = TrainConfig.from_yaml(directory / "config.yaml").resolved()  # older runs recorded None
+    given = config.resolved()  # a default (None) means the value it resolves to
+    changes = {key: value for key, value in given.to_dict().items() if value != getattr(stored, key)}
     return resume_config(stored, {**changes, "resume": config.resume}, directory)
 
 
@@ -323,7 +348,12 @@ def warm_start_policy(
         target = (
             config.sft_target_accuracy,
             lambda trained: greedy_accuracy(
-                trained, tokenizer, task, validation, config.max_new_tokens, strict=config.strict_reward
+                trained,
+                tokenizer,
+                task,
+                validation,
+                config.effective_max_new_tokens,
+                strict=config.strict_reward,
             ),
         )
     cache_file, cached, taken = warm_start(
@@ -340,7 +370,7 @@ def warm_start_policy(
             "dataset": config.dataset,
             # the stopping rule's validation set and decoding length shape a target-accuracy warm start
             **(
-                {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.max_new_tokens)}
+                {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)}
                 if target is not None
                 else {}
             ),
@@ -376,12 +406,12 @@ def build_rollout_source(
             [problems[group] for group in groups],
             scorer,
             group_size=config.group_size,
-            max_new_tokens=config.max_new_tokens,
+            max_new_tokens=config.effective_max_new_tokens,
             temperature=config.temperature,
             policy_version=version,
             dtype=dtype,
             uniforms=group_uniforms(
-                config.seed, rollout_index, groups, config.group_size, config.max_new_tokens
+                config.seed, rollout_index, groups, config.group_size, config.effective_max_new_tokens
             ),
             all_finished=world.all_true if world.fsdp else None,
             top_k=config.top_k,
