@@ -608,6 +608,20 @@ def test_run_directory_holds_config_metrics_checkpoints_final_summary_and_plot(m
     assert model.config.model_type == "qwen2" and tokenizer.eos_token == "</s>"
 
 
+def test_without_a_progress_bar_a_line_is_printed_every_few_steps(capsys):
+    """``--no-progress`` (every sweep cell) printed nothing until the run ended."""
+    from softtrust.train.runlog import StepLines
+
+    lines = StepLines(total=32, description="RL vespo N=8 sync")
+    for step in range(32):
+        lines.set_postfix({"reward": f"{step / 32:.3f}"})
+        lines.update(1)
+    printed = capsys.readouterr().err.splitlines()
+    assert len(printed) >= 16  # every 32 // 16 = 2 steps (and at least once a minute)
+    assert printed[0] == "RL vespo N=8 sync: step 2/32, reward 0.031"
+    assert printed[-1] == "RL vespo N=8 sync: step 32/32, reward 0.969"
+
+
 # ---------------------------------------------------------------------- completion length
 def test_a_model_run_without_max_new_tokens_gets_room_for_a_chat_reply(micro_model_dir, tmp_path):
     """Old behaviour: ``--model`` runs without ``--max-new-tokens`` kept the embedded model's 6

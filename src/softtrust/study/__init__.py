@@ -2,7 +2,8 @@
 
 One cell is one ``train(config)`` run (a method, a staleness N, a seed), executed in
 its own process (``python -m softtrust.study.cell <cell>/sweep-cell.yaml``), ``--jobs``
-at a time. Every cell runs the same number of optimizer steps (``--max-steps``), so N
+at a time. The progress bar counts optimizer steps summed over every cell (a running cell's
+from the lines of its ``metrics.jsonl``), with the cells finished in its postfix. Every cell runs the same number of optimizer steps (``--max-steps``), so N
 changes only how stale the samples are, and every cell of a seed starts from the same
 cached warm start (the trainer keys the cache by the recipe and the seed).
 
@@ -10,7 +11,7 @@ The sweep directory holds:
 
 | path | content |
 | --- | --- |
-| ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
+| ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` (its output, filled as it trains: a line every few steps) and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
 | ``sweep.json`` | the grid and the shared overrides |
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
 | ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses; each run's outcome: collapsed, not collapsed (finished its steps) or unfinished (started, no result for the planned steps: interrupted, crashed or still running; named in ``summary.md``, counted as neither; a collapse already seen in it counts, its best so far is not a result) |

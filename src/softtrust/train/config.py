@@ -293,7 +293,11 @@ class TrainConfig:
     report_to: str = _field(
         "none", "Extra metrics sink: none | tensorboard (metrics.jsonl is always written).", resumable=True
     )
-    progress: bool = _field(True, "Show a live progress bar.", resumable=True)
+    progress: bool = _field(
+        True,
+        "Show a live progress bar (--no-progress: a plain line every few steps instead, for log files).",
+        resumable=True,
+    )
 
     # ------------------------------------------------------------------ YAML
     def to_dict(self) -> dict:

@@ -175,21 +175,30 @@ class RunLog:
         progress.set_postfix(self.last_postfix, refresh=False)
         progress.update(1)
 
+    def note(self, message: str) -> None:
+        """One line on stderr (rank 0): what the run is doing while no progress bar runs."""
+        if self.writes:
+            print(message, file=sys.stderr, flush=True)
+
     def progress_bar(self, config: TrainConfig, initial: int):
+        """The RL steps' progress: a live bar, or with ``--no-progress`` (a sweep cell) a plain
+        line every few steps (``StepLines``), so that a log file fills as the run goes."""
+        return self.simple_bar(
+            config.max_steps,
+            f"RL {config.method} N={config.staleness} {config.mode}",
+            initial,
+            config.progress,
+        )
+
+    def simple_bar(self, total: int, description: str, initial: int = 0, live: bool = True):
+        """A tqdm bar when ``live``, else ``StepLines``; silent on the ranks that do not write."""
+        if not live:
+            return StepLines(total, description, initial, enabled=self.writes)
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=config.max_steps,
-            initial=initial,
-            desc=f"RL {config.method} N={config.staleness} {config.mode}",
-            disable=not (config.progress and self.writes),
-            dynamic_ncols=True,
+            total=total, initial=initial, desc=description, disable=not self.writes, dynamic_ncols=True
         )
-
-    def simple_bar(self, total: int, description: str):
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc=description, dynamic_ncols=True)
 
     def finish(
         self,
@@ -257,6 +266,34 @@ class RunLog:
         figure.tight_layout()
         figure.savefig(self.directory / "reward_curve.png", dpi=100)
         plt.close(figure)
+
+
+class StepLines:
+    """A progress bar's plain-text stand-in (tqdm's ``update``, ``set_postfix``, ``close``): a line
+    on stderr, flushed, every ``total // LINES`` steps, at the last one and at least every
+    ``SECONDS``, e.g. ``RL vespo N=8 sync: step 16/128, reward 0.312, kl 1.20e-03, ...``."""
+
+    LINES, SECONDS = 16, 60.0
+
+    def __init__(self, total: int, description: str, initial: int = 0, enabled: bool = True):
+        self.total, self.description, self.n, self.enabled = total, description, initial, enabled
+        self.every = max(1, total // self.LINES)
+        self.postfix: dict = {}
+        self.last_line = time.time()
+
+    def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = False, **values) -> None:
+        self.postfix = {**(ordered_dict or {}), **values}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        due = self.n % self.every == 0 or self.n >= self.total or time.time() - self.last_line >= self.SECONDS
+        if self.enabled and due:
+            values = "".join(f", {key} {value}" for key, value in self.postfix.items())
+            print(f"{self.description}: step {self.n}/{self.total}{values}", file=sys.stderr, flush=True)
+            self.last_line = time.time()
+
+    def close(self) -> None:
+        pass
 
 
 def save_final_model(directory: Path, model, tokenizer, model_state: dict[str, torch.Tensor] | None) -> None:

@@ -108,6 +108,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         run.log_event({"resumed_from": str(checkpoint), "step": state.step})
         run.truncate_after(state.step)  # metrics logged after the checkpoint will be logged again
     else:
+        run.note(f"evaluating {len(eval_problems)} held-out problems before RL (greedy)")
         state.accuracy_before = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, 0)
         run.log_event({"step": 0, "eval/accuracy": state.accuracy_before})
     rollouts.start(state.step, model)
@@ -164,6 +165,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         rollouts.close()
 
     save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
+    run.note(f"evaluating {len(eval_problems)} held-out problems after RL (greedy)")
     accuracy_after = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, state.step)
     run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
     final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
@@ -340,8 +342,8 @@ def load_policy(config: TrainConfig, run: RunLog, task, eval_problems, world: Wo
 def warm_start_policy(
     config: TrainConfig, run: RunLog, model, tokenizer, task, eval_problems, steps: int
 ) -> None:
-    """The cached supervised warm start (``warmstart.py``), with a progress bar."""
-    bar = run.simple_bar(steps, "warm start (supervised)") if config.progress and run.writes else None
+    """The cached supervised warm start (``warmstart.py``), with a progress bar (or lines)."""
+    bar = run.simple_bar(steps, "warm start (supervised)", live=config.progress) if run.writes else None
     target = None
     if config.sft_target_accuracy is not None:
         validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
@@ -377,7 +379,7 @@ def warm_start_policy(
         },
         cache_dir=config.cache_dir,
         exclude=eval_problems,
-        progress=(lambda step, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))) if bar else None,
+        progress=(lambda step, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update(1))) if bar else None,
         target=target,
     )
     if bar:
