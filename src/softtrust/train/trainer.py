@@ -90,7 +90,6 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
     checkpoint = find_checkpoint(config.resume) if config.resume is not None else None
     run = RunLog.open(config, world)  # the first file written
     tokenizer, model = load_policy(config, run, task, eval_problems, world)
-    end_ids = end_token_ids(tokenizer)  # what ends a completion (a cut one has none)
     reference = copy.deepcopy(model).eval().to(world.device) if config.kl_coef > 0 else None
     # The file layouts (tied weights once), read before any sharding.
     kept_names, final_names = save_kept_names(model), pretrained_names(model)
@@ -122,7 +121,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             if rollout is not None:
                 # 2. advantages: group-relative, from the rewards of the whole rollout
                 rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
-                warn_if_cut(run, rollout.batch, end_ids, config, state.step)
+                warn_if_cut(run, rollout.batch, tokenizer, config, state.step)
             minibatch = rollouts.next(state.step)
             collect_seconds = time.time() - collect_start
             state.reward_failures = int(world.sum(scorer.failures))
@@ -173,21 +172,24 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
 
 
 CUT_WARNING = 0.5  # warn (once) when more than this share of a rollout's completions is cut
+CUT_WARNING_KEY = "cut completions"
 
 
-def warn_if_cut(run: RunLog, batch: RolloutBatch, end_ids: list[int], config: TrainConfig, step: int) -> None:
+def warn_if_cut(run: RunLog, batch: RolloutBatch, tokenizer, config: TrainConfig, step: int) -> None:
     """Warn once (``RunLog.warn``) when most of a rollout's completions reached ``max_new_tokens``
     without an end token (``rollout.cut_fraction``): a cut completion usually scores 0, so reward
     and gradient vanish without any error (a chat model with the embedded model's 6 tokens)."""
+    if CUT_WARNING_KEY in run.warned:
+        return
     limit = config.effective_max_new_tokens
-    share = cut_fraction(batch, end_ids, limit)
+    share = cut_fraction(batch, end_token_ids(tokenizer), limit)
     if share > CUT_WARNING:
         run.warn(
             f"{share:.0%} of the completions sampled at step {step} reached --max-new-tokens {limit} "
             "without an end token; a cut completion usually scores 0 (no reward, no gradient): "
             "raise --max-new-tokens",
             step,
-            once="cut completions",
+            once=CUT_WARNING_KEY,
         )
 
 
