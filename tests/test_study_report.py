@@ -183,7 +183,7 @@ def test_cells_with_a_collapse_are_reported_by_outcome_and_compared_by_the_sign_
     assert entries[("(vespo − clip) at N = 64 − at N = 4", "final_accuracy")]["test"] == "sign"
     assert entries[("vespo − clip at N = 4", "final_accuracy")]["test"] == "t"  # no collapse there
     text = (tmp_path / "summary.md").read_text()
-    assert "| vespo | 64 | 1 | 2 | 0: 52.0, 1: 27.0 ×, 2: 73.0 | 62.5 ± 133.4 |" in text
+    assert "| vespo | 64 | 1 | 2 | 0 | 0: 52.0, 1: 27.0 ×, 2: 73.0 | 62.5 ± 133.4 |" in text
     # the sign test's floor is said for the seeds at hand: 2 / 2³ with 3 seeds
     assert "with 3 seeds its smallest p is 0.25, so such a comparison cannot hold" in text
     # the lag table says how many steps (over seeds) stand behind each mean: 8 steps, lags 0..7
@@ -315,3 +315,47 @@ def test_provenance_records_the_commit_the_dirty_flag_and_the_versions(tmp_path)
     assert provenance(tmp_path)["git_dirty"] is False
     outside = provenance(tmp_path.parent / "no-such-dir")
     assert outside["git_commit"] is None and outside["git_dirty"] is None
+
+
+# ---------------------------------------------------------------------- --report-only and unfinished runs
+def report_only(root: Path) -> list[str]:
+    argv = ["sweep", "--methods", "clip,vespo", "--staleness", "4,64", "--seeds", "3"]
+    return [*argv, "--output-dir", str(root), "--max-steps", str(STEPS), "--report-only"]
+
+
+@pytest.mark.parametrize("state", ["missing", "empty", "another grid"])
+def test_report_only_without_runs_of_the_grid_is_an_error_naming_the_directory(state, tmp_path, capsys):
+    """Old behaviour: ``--report-only`` on a missing or empty directory wrote an all-empty report
+    (creating the directory) and exited 0."""
+    root = tmp_path / "sweep"
+    if state == "empty":
+        root.mkdir()
+    elif state == "another grid":
+        write_cell(root / "runs" / "gspo" / "N4" / "seed0", 0.5, 4)
+    assert main(report_only(root)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"softtrust sweep: error: output_dir: {str(root)!r} ")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (root / "summary.json").exists() and not (root / "summary.md").exists()
+    assert root.exists() == (state != "missing")
+
+
+def test_an_interrupted_run_is_unfinished_not_a_run_that_did_not_collapse(tmp_path, capsys):
+    """A cell killed mid-run (metrics for 3 of 8 steps, no summary.json, no exit code recorded)
+    was counted in ``not_collapsed`` and shown as ``0/3`` collapsed runs, as if it had finished
+    without collapsing."""
+    make_sweep(tmp_path, finals={**FINALS, ("clip", 64): [0.40, 0.21]})
+    interrupted = tmp_path / "runs" / "clip" / "N64" / "seed2"
+    write_cell(interrupted, 0.5, 64)
+    (interrupted / "summary.json").unlink()
+    metrics = (interrupted / "metrics.jsonl").read_text().splitlines()
+    (interrupted / "metrics.jsonl").write_text("\n".join(metrics[:3]) + "\n")
+    (interrupted / "events.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.3}) + "\n")
+    assert main(report_only(tmp_path)) == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "summary.json").read_text())
+    (record,) = [r for r in report["records"] if (r["method"], r["N"]) == ("clip", 64)]
+    assert record["outcomes"]["unfinished"] == 1 and record["outcomes"]["not_collapsed"] == 2
+    assert [run["outcome"] for run in record["runs"]] == ["not collapsed", "not collapsed", "unfinished"]
+    text = (tmp_path / "summary.md").read_text()
+    assert "**Unfinished runs (1)**" in text and "clip N=64 seed=2 (step 3, incomplete)" in text
+    assert "| 64 | 0/2, 1 unfinished | 0/3 |" in text  # collapsed / runs with an outcome

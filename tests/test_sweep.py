@@ -199,6 +199,34 @@ def test_sweep_resumes_by_running_only_the_missing_cells(sweep_env, tmp_path, ca
     assert len(cells_run(output)) == 3
 
 
+# ---------------------------------------------------------------------- progress
+def test_sweep_progress_counts_steps_inside_cells_and_each_cell_log_fills_as_it_trains(
+    sweep_env, tmp_path, capsys
+):
+    """Old behaviour: the bar counted finished cells (``0/4`` for the whole of a cell's minutes)
+    and a cell's ``train.log`` held nothing until its last line (``--no-progress`` printed nothing)."""
+    output = tmp_path / "sweep"
+    argv = [arg for arg in sweep_argv(sweep_env, output, "clip", "1,2") if arg != "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "8/8" in err and "step" in err and "cells=2/2" in err, err  # 2 cells x 4 steps
+    log = (output / "runs" / "clip" / "N2" / "seed0" / "train.log").read_text()
+    assert "evaluating 8 held-out problems before RL" in log
+    for step in range(1, 5):
+        assert f"RL clip N=2 sync: step {step}/4, " in log, log
+
+
+def test_steps_done_reads_each_started_cells_metrics(tmp_path):
+    from softtrust.study.grid import Sweep
+    from softtrust.study.runner import steps_done
+
+    sweep = Sweep(split_methods("clip,vespo,sapo"), [1], [0], tmp_path, overrides={"max_steps": 4})
+    clip, vespo, _ = sweep.cells()  # sapo: not started
+    write_run(clip.directory(tmp_path), [(0, 0.3)], 4, summary={"steps": 4})  # done
+    write_run(vespo.directory(tmp_path), [(0, 0.3)], 3)  # running (or interrupted) at step 3
+    assert steps_done(sweep, sweep.cells()) == 4 + 3 + 0
+
+
 # ---------------------------------------------------------------------- (3) collapse criterion
 def steps(values: list[float], every: int = 1) -> list[tuple[int, float]]:
     return [(every * (index + 1), value) for index, value in enumerate(values)]

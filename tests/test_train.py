@@ -608,6 +608,66 @@ def test_run_directory_holds_config_metrics_checkpoints_final_summary_and_plot(m
     assert model.config.model_type == "qwen2" and tokenizer.eos_token == "</s>"
 
 
+def test_without_a_progress_bar_a_line_is_printed_every_few_steps(capsys):
+    """``--no-progress`` (every sweep cell) printed nothing until the run ended."""
+    from softtrust.train.runlog import StepLines
+
+    lines = StepLines(total=32, description="RL vespo N=8 sync")
+    for step in range(32):
+        lines.set_postfix({"reward": f"{step / 32:.3f}"})
+        lines.update(1)
+    printed = capsys.readouterr().err.splitlines()
+    assert len(printed) >= 16  # every 32 // 16 = 2 steps (and at least once a minute)
+    assert printed[0] == "RL vespo N=8 sync: step 2/32, reward 0.031"
+    assert printed[-1] == "RL vespo N=8 sync: step 32/32, reward 0.969"
+
+
+# ---------------------------------------------------------------------- completion length
+def test_a_model_run_without_max_new_tokens_gets_room_for_a_chat_reply(micro_model_dir, tmp_path):
+    """Old behaviour: ``--model`` runs without ``--max-new-tokens`` kept the embedded model's 6
+    tokens, so a chat model's every completion was cut (reward and gradient 0, no warning)."""
+    assert TrainConfig().effective_max_new_tokens == 6  # the embedded model: a 3-digit sum and its end
+    assert TrainConfig(model=micro_model_dir).effective_max_new_tokens == 256
+    assert TrainConfig(model=micro_model_dir, max_new_tokens=24).effective_max_new_tokens == 24
+    run = tmp_path / "run"
+    summary = train(micro_config(micro_model_dir, run, max_new_tokens=None, max_steps=1, eval_size=2))
+    # recorded as the value used, so that a rerun from config.yaml or a resume uses the same
+    assert summary["max_new_tokens"] == 256
+    assert TrainConfig.from_yaml(run / "config.yaml").max_new_tokens == 256
+    (metrics,) = read_metrics(run)
+    assert metrics["completion/length"] > 6  # the random micro model rarely ends: it used the room
+
+
+def test_the_trainer_warns_once_when_most_completions_are_cut(micro_model_dir, tmp_path, capsys):
+    """Old behaviour: completions cut at ``max_new_tokens`` (no end token) scored 0 silently. The
+    random micro model almost never samples its end token within 2 tokens: every rollout is cut."""
+    run = tmp_path / "run"
+    train(micro_config(micro_model_dir, run, max_new_tokens=2, max_steps=3))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "--max-new-tokens 2" in line]
+    assert len(warnings) == 1, warnings  # three rollouts, one warning
+    assert warnings[0].startswith("softtrust train: warning: ") and "without an end token" in warnings[0]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert sum("--max-new-tokens 2" in event.get("warning", "") for event in events) == 1
+
+
+def test_cut_fraction_counts_full_length_completions_without_an_end_token():
+    from softtrust.train.rollout import RolloutBatch, cut_fraction
+
+    eos, pad = 2, 0
+    completions = torch.tensor([[5, 6, 7], [5, eos, pad], [5, 6, eos], [7, 7, 7]])  # cut, ended, ended, cut
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    batch = RolloutBatch(
+        input_ids=torch.cat([torch.ones(4, 2, dtype=torch.long), completions], dim=1),
+        attention_mask=torch.cat([torch.ones(4, 2, dtype=torch.long), mask], dim=1),
+        completion_mask=mask,
+        rollout_logprobs=torch.zeros(4, 3),
+        rewards=torch.zeros(4),
+    )
+    assert cut_fraction(batch, [eos], max_new_tokens=3) == 0.5
+    assert cut_fraction(batch, [eos, 7], max_new_tokens=3) == 0.0  # 7 ends a turn too
+    assert cut_fraction(batch, [eos], max_new_tokens=4) == 0.0  # every row ended before the limit
+
+
 # ---------------------------------------------------------------------- 4. learning
 def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
     """The embedded tiny Qwen2 on single-digit addition, after a 100-step warm start (cached
@@ -663,7 +723,9 @@ def test_warm_start_stops_at_the_target_accuracy_and_caches_the_steps_it_took(tm
         model = build_tiny_model(tokenizer, TinyModelConfig(), seed=0)
         events = []
         run = type(
-            "Run", (), {"writes": False, "log_event": lambda self, record: events.append(record), "notice": print}
+            "Run",
+            (),
+            {"writes": False, "log_event": lambda self, record: events.append(record), "warn": print},
         )()
         warm_start_policy(config, run, model, tokenizer, task, eval_problems, config.effective_sft_steps)
         validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)

@@ -15,7 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     from softtrust.train.config import add_config_arguments
 
     parser = argparse.ArgumentParser(
-        prog="softtrust", description="Off-policy RL of language models with trust-region policy losses."
+        prog="softtrust",
+        description="Off-policy RL of language models with trust-region policy losses.",
+        allow_abbrev=False,  # '--stal' is refused, not read as --staleness (in every parser here)
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     train_parser = subcommands.add_parser(
@@ -26,9 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
             "3-digit addition (cached), then RL with VESPO at staleness N = 8, offline, in minutes. "
             "Precedence: field defaults < --config FILE.yaml < flags."
         ),
+        allow_abbrev=False,
     )
     add_config_arguments(train_parser)
-    train_parser.set_defaults(handler=run_train)
+    # command_parser: an unknown flag is reported with this subcommand's usage, not the top level's
+    train_parser.set_defaults(handler=run_train, command_parser=train_parser)
     add_sweep_parser(subcommands)
     return parser
 
@@ -48,7 +52,9 @@ def add_sweep_parser(subcommands) -> None:
         allow_abbrev=False,
     )
     add_sweep_arguments(sweep_parser)
-    sweep_parser.set_defaults(handler=run_sweep_command, accepts_train_flags=True)
+    sweep_parser.set_defaults(
+        handler=run_sweep_command, accepts_train_flags=True, command_parser=sweep_parser
+    )
 
 
 def run_train(arguments: argparse.Namespace) -> int:
@@ -82,6 +88,22 @@ def result_line(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``softtrust COMMAND``; a module of an extra that is not installed (a core-only
+    ``pip install -e .`` has no trainer) is one error line naming the extra, exit code 2."""
+    from softtrust._optional import missing_module_message
+
+    try:
+        return run_command(argv)
+    except ModuleNotFoundError as error:
+        message = missing_module_message(error)
+        if message is None:
+            raise
+        print(f"softtrust: error: {message}", file=sys.stderr)
+        return 2
+
+
+def run_command(argv: list[str] | None) -> int:
+    """Parse ``argv`` and call the subcommand's handler."""
     parser = build_parser()
     arguments, extra = parser.parse_known_args(argv)
     if getattr(arguments, "handler", None) is None:
@@ -90,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv == [] else 2
     if getattr(arguments, "accepts_train_flags", False):
-        return arguments.handler(arguments, extra)
+        return arguments.handler(arguments, extra)  # it checks ``extra`` against the train flags
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        arguments.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return arguments.handler(arguments)
 
 

@@ -49,7 +49,8 @@ try:
     from accelerate.utils import gather_object
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "softtrust.integrations.trl needs TRL and accelerate; install them with `pip install 'softtrust[trl]'`"
+        'softtrust.integrations.trl needs TRL and accelerate; install them with `pip install -e ".[trl]"` '
+        "in the softtrust clone"
     ) from error
 
 from softtrust._metrics import reduction_of
@@ -78,7 +79,7 @@ def check_trl_version(version: str) -> None:
     if version not in SUPPORTED_TRL_VERSIONS:
         raise ImportError(
             f"softtrust.integrations.trl supports TRL {', '.join(SUPPORTED_TRL_VERSIONS)}, but TRL {version} is "
-            f"installed; install a supported one with `pip install 'softtrust[trl]'` "
+            f'installed; install a supported one with `pip install -e ".[trl]"` in the softtrust clone '
             f"(trl=={SUPPORTED_TRL_VERSIONS[-1]})"
         )
 

@@ -64,7 +64,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "softtrust.integrations.verl needs verl (and what it imports: ray, tensordict, hydra-core, "
-        "codetiming); install verl 0.9.1 with `pip install 'softtrust[verl]'`"
+        'codetiming); install verl 0.9.1 with `pip install -e ".[verl]"` in the softtrust clone (docs/verl.md)'
     ) from error
 try:
     from verl.trainer.ppo import core_algos

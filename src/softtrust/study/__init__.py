@@ -2,7 +2,8 @@
 
 One cell is one ``train(config)`` run (a method, a staleness N, a seed), executed in
 its own process (``python -m softtrust.study.cell <cell>/sweep-cell.yaml``), ``--jobs``
-at a time. Every cell runs the same number of optimizer steps (``--max-steps``), so N
+at a time. The progress bar counts optimizer steps summed over every cell (a running cell's
+from the lines of its ``metrics.jsonl``), with the cells finished in its postfix. Every cell runs the same number of optimizer steps (``--max-steps``), so N
 changes only how stale the samples are, and every cell of a seed starts from the same
 cached warm start (the trainer keys the cache by the recipe and the seed).
 
@@ -10,12 +11,12 @@ The sweep directory holds:
 
 | path | content |
 | --- | --- |
-| ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
+| ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` (its output, filled as it trains: a line every few steps) and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
 | ``sweep.json`` | the grid and the shared overrides |
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
-| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses (a run still going counts in the collapses and curves only: its best so far is not a result) |
+| ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses; each run's outcome: collapsed, not collapsed (finished its steps) or unfinished (started, no result for the planned steps: interrupted, crashed or still running; named in ``summary.md``, counted as neither; a collapse already seen in it counts, its best so far is not a result) |
 | ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods; the outcome-based cells; the paired tests and differences-in-differences with the Holm adjustment; the diagnostics against the lag; the code of the runs |
-| ``curves.png``, ``final_vs_staleness.png``, ``lag.png`` | the figures (with ``--lrs``: at the smallest learning rate) |
+| ``curves.png``, ``final_vs_staleness.png``, ``lag.png`` | the figures (with ``--lrs``: at the smallest learning rate; skipped with a one-line notice without matplotlib) |
 | ``paired_differences.png`` | each paired comparison's per-seed differences with their mean and 95 % interval |
 | ``lr_stability.png`` | with ``--lrs``: the largest stable learning rate against N, one line per method |
 
@@ -36,6 +37,9 @@ naming them, rather than mixing old and new results in one table.
 
 The collapse criterion (``CollapseCriterion``, applied per run) is documented there.
 
+``--report-only`` rewrites the report from the runs already there; a sweep directory that does
+not exist, or holds no run of the grid given, is an error naming it (exit code 2).
+
 Every run records the code that made it (``summary.json["provenance"]``: git commit, dirty
 flag, package versions); the report refuses to pair runs of different code, naming the
 cells of each, unless ``--allow-mixed-code``.
@@ -50,7 +54,7 @@ The package, one job per module:
 | ``cell`` | one cell's process (``python -m softtrust.study.cell``) |
 | ``runs`` | reading run directories into raw run records |
 | ``analysis`` | a pure function from run records to the report (collapse, outcomes, lr stability, paired tests, differences-in-differences, the lag view, the code check) |
-| ``stats`` | intervals, the paired t and exact sign tests, the Holm adjustment (``scipy.stats``) |
+| ``stats`` | intervals, the paired t and exact sign tests, the Holm adjustment (``scipy.stats``: checked before any cell runs) |
 | ``markdown``, ``plots`` | render the report (nothing else) |
 | ``report`` | read, analyse, render: the files of the sweep directory |
 | ``cli`` | ``softtrust sweep``'s flags and command |

@@ -118,6 +118,7 @@ def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict
         "status": "complete"
         if complete
         else ("stopped" if stopped else "crashed" if crashed else "incomplete"),
+        "outcome": run_result(collapsed, complete),
         "steps": rewards[-1][0] if rewards else 0,
         "accuracy_before": accuracy_before,
         "final_accuracy": final,
@@ -133,6 +134,19 @@ def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict
         "provenance": run.get("provenance"),
         "curves": {"reward": rewards, "accuracy": accuracies},
     }
+
+
+OUTCOMES = ("collapsed", "not collapsed", "unfinished")
+
+
+def run_result(collapsed: bool, complete: bool) -> str:
+    """One run's outcome (``OUTCOMES``): ``collapsed`` as soon as the criterion fires (also in a
+    run still going: the collapse happened); ``not collapsed`` only for a run that completed its
+    steps; else ``unfinished`` (interrupted, crashed or still running: no summary for the planned
+    steps), which says nothing about collapse either way."""
+    if collapsed:
+        return "collapsed"
+    return "not collapsed" if complete else "unfinished"
 
 
 THROUGHPUT = ("steps_per_hour", "sampling_hidden", "learner_waiting")
@@ -190,9 +204,10 @@ def collect(sweep: Sweep, runs: dict[Cell, dict], criterion: CollapseCriterion) 
                 "outcome_based": bool(collapse_steps),
                 "outcomes": {
                     "collapsed": len(collapse_steps),
-                    "not_collapsed": len(outcomes) - len(collapse_steps),
+                    "not_collapsed": sum(run["outcome"] == "not collapsed" for run in outcomes),
+                    "unfinished": sum(run["outcome"] == "unfinished" for run in outcomes),
                     "final_not_collapsed": mean_std_ci(
-                        [run["final_accuracy"] for run in outcomes if not run["collapsed"]]
+                        [run["final_accuracy"] for run in outcomes if run["outcome"] == "not collapsed"]
                     ),
                 },
                 "runs": outcomes,

@@ -55,7 +55,10 @@ def add_sweep_arguments(parser) -> None:
         "--jobs", type=int, default=None, help="Cells run in parallel [default: the number of CPU cores]."
     )
     parser.add_argument(
-        "--report-only", action="store_true", help="Only rewrite the report from the runs already there."
+        "--report-only",
+        action="store_true",
+        help="Only rewrite the report from the runs already there (a missing directory, or one "
+        "without a run of the grid, is an error).",
     )
     parser.add_argument(
         "--allow-mixed-code",
@@ -73,6 +76,10 @@ def add_sweep_arguments(parser) -> None:
     )
 
 
+class UnknownArguments(ValueError):
+    """A flag that is neither a sweep flag nor a train flag (reported with the sweep's usage)."""
+
+
 def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell)."""
     import argparse
@@ -83,8 +90,9 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     add_config_arguments(train_parser)
     train_arguments, unknown = train_parser.parse_known_args(extra)
     if unknown:
-        raise ValueError(
-            f"sweep: unrecognised arguments {unknown} (see softtrust sweep --help / train --help)"
+        raise UnknownArguments(
+            f"unrecognized arguments: {' '.join(unknown)} (neither a sweep flag nor a train flag: see "
+            "softtrust sweep --help and softtrust train --help)"
         )
     given = set(vars(train_arguments)) - {"config"}  # flags default to SUPPRESS: only those given
     overrides_config = config_from_arguments(train_arguments)
@@ -127,16 +135,20 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
 def run_sweep_command(arguments, extra: list[str]) -> int:
     """``softtrust sweep``: run the grid (or only rewrite its report); exit 0, 1 (a cell
     failed), 2 (bad arguments) or 130 (interrupted: the same command resumes)."""
-    from .report import write_report
+    from .report import rewrite_report
     from .runner import run_sweep
 
     try:
         sweep = sweep_from_arguments(arguments, extra)
         if arguments.report_only:
-            write_report(sweep)
+            rewrite_report(sweep)
             print(f"report written to {sweep.output_dir}")
             return 0
         result = run_sweep(sweep)
+    except UnknownArguments as error:  # with the sweep's usage, as argparse reports its own flags
+        arguments.command_parser.print_usage(sys.stderr)
+        print(f"softtrust sweep: error: {error}", file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"softtrust sweep: error: {error}", file=sys.stderr)
         return 2

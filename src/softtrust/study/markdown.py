@@ -73,23 +73,45 @@ def _outcome_table(report: dict) -> list[str]:
         "",
         "| method | "
         + axis
-        + " | collapsed | not collapsed | final accuracy per seed (collapsed marked ×) | "
+        + " | collapsed | not collapsed | unfinished | final accuracy per seed (collapsed marked ×) | "
         "final of the runs that did not collapse |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for record in rows:
         outcomes = record["outcomes"]
         per_seed = ", ".join(
             f"{run['seed']}: "
             + ("—" if run["final_accuracy"] is None else f"{100 * run['final_accuracy']:.1f}")
-            + (" ×" if run["collapsed"] else "")
+            + (" ×" if run["collapsed"] else " (unfinished)" if run["outcome"] == "unfinished" else "")
             for run in record["runs"]
         )
         lines.append(
             f"| {record['method']} | {record[axis]} | {outcomes['collapsed']} | {outcomes['not_collapsed']} | "
-            f"{per_seed} | {format_stat(outcomes['final_not_collapsed'])} |"
+            f"{outcomes['unfinished']} | {per_seed} | {format_stat(outcomes['final_not_collapsed'])} |"
         )
     return [*lines, ""]
+
+
+def _unfinished_lines(report: dict) -> list[str]:
+    """The runs that started but have no result for the planned steps (interrupted, crashed or
+    still running): named, so that a missing number is not read as a run that did not collapse."""
+    axis = report["axis"]
+    names = [
+        f"{record['method']} {axis}={record[axis]}"
+        + ("" if record.get("lr") is None else f" lr={record['lr']:g}")
+        + f" seed={run['seed']} (step {run['steps']}, {run['status']})"
+        for record in report["records"]
+        for run in record["runs"]
+        if run["outcome"] == "unfinished"
+    ]
+    if not names:
+        return []
+    return [
+        f"**Unfinished runs ({len(names)})**: started, no result for the planned steps (interrupted, crashed or "
+        "still running; the same `softtrust sweep` command resumes them); counted neither as collapsed nor "
+        "as not collapsed: " + ", ".join(names) + ".",
+        "",
+    ]
 
 
 LAG_METRICS = (
@@ -202,7 +224,7 @@ def format_stat(stat: dict, seeds: int | None = None) -> str:
 def markdown_table(report: dict) -> str:
     """Rows N, columns methods (the VESPO paper's Table 2 layout), one table per measure;
     with a learning-rate axis, one set of tables per learning rate and the stability table."""
-    lines = _report_header(report)
+    lines = _report_header(report) + _unfinished_lines(report)
     lrs = report.get("lrs")
     if lrs:
         lines += _lr_stability_table(report)
@@ -285,7 +307,10 @@ def _measure_tables(report: dict, heading: str = "##") -> list[str]:
             cells = [format_stat(by_cell[(m, value)][key], seeds) for m in methods]
             lines.append("| " + " | ".join([str(value), *cells]) + " |")
         lines.append("")
-    lines += [f"{heading} Collapsed runs (collapsed / runs, first collapse step)", ""]
+    lines += [
+        f"{heading} Collapsed runs (collapsed / runs with an outcome, first collapse step; unfinished runs apart)",
+        "",
+    ]
     lines += [
         "| " + " | ".join([axis, *methods]) + " |",
         "| " + " | ".join(["---"] * (len(methods) + 1)) + " |",
@@ -294,10 +319,13 @@ def _measure_tables(report: dict, heading: str = "##") -> list[str]:
         cells = []
         for m in methods:
             record = by_cell[(m, value)]
-            text = f"{record['collapsed_runs']}/{len(record['runs'])}"
+            outcomes = record["outcomes"]
+            text = f"{outcomes['collapsed']}/{outcomes['collapsed'] + outcomes['not_collapsed']}"
             if record["first_collapse_step"] is not None:
                 reasons = sorted({run["collapse_reason"] for run in record["runs"] if run["collapsed"]})
                 text += f" (step {record['first_collapse_step']}, {'/'.join(reasons)})"
+            if outcomes["unfinished"]:
+                text += f", {outcomes['unfinished']} unfinished"
             cells.append(text)
         lines.append("| " + " | ".join([str(value), *cells]) + " |")
     if seeds > 1:

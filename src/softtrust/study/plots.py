@@ -1,9 +1,12 @@
-"""The study's figures (render ``analysis.analyse``'s report only)."""
+"""The study's figures (render ``analysis.analyse``'s report only). Each raises
+``softtrust._optional.MissingDependency`` without matplotlib (``report.write_report`` skips
+the figures with a notice)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from softtrust._optional import pyplot
 from softtrust._runfiles import trailing_mean
 
 
@@ -19,10 +22,7 @@ def _mean_curve(curves: list[list[tuple[int, float]]]) -> tuple[list[int], list[
 
 def plot_curves(report: dict, path: Path) -> None:
     """Reward (top) and held-out accuracy (bottom) against step; one panel per N, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's figures")
 
     axis_name, values, methods = report["axis"], report["staleness"], report["methods"]
     figure, axes = plt.subplots(
@@ -58,10 +58,7 @@ def plot_curves(report: dict, path: Path) -> None:
 
 def plot_final_vs_staleness(report: dict, path: Path) -> None:
     """Final held-out accuracy (mean ± 95 % CI over seeds) against staleness, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's figures")
 
     axis_name = report["axis"]
     figure, axis = plt.subplots(figsize=(6, 4))
@@ -95,10 +92,8 @@ def plot_final_vs_staleness(report: dict, path: Path) -> None:
 
 def plot_lr_stability(report: dict, path: Path) -> None:
     """The largest stable learning rate against staleness, one line per method (log-log)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's figures")
+    from matplotlib.ticker import NullFormatter  # matplotlib is there: pyplot() imported it
 
     axis_name, lrs = report["axis"], report["lrs"]
     floor = lrs[0] / 2  # where "unstable even at the smallest" is drawn
@@ -114,7 +109,7 @@ def plot_lr_stability(report: dict, path: Path) -> None:
     axis.set_yscale("log")
     axis.set_yticks(lrs)
     axis.set_yticklabels([f"{lr:g}" for lr in lrs])
-    axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axis.yaxis.set_minor_formatter(NullFormatter())
     axis.set_xticks(report["staleness"])
     axis.set_xticklabels([str(v) for v in report["staleness"]])
     axis.set_xlabel("staleness N" if axis_name == "N" else "async lag bound K")
@@ -129,10 +124,7 @@ def plot_lr_stability(report: dict, path: Path) -> None:
 def plot_paired(report: dict, path: Path) -> None:
     """The paired tests, final accuracy: each comparison's per-seed differences (dots), their mean
     and 95 % interval (bar); filled where the claim holds after Holm. Points, 0 marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's figures")
 
     entries = [
         e
@@ -175,10 +167,7 @@ def plot_paired(report: dict, path: Path) -> None:
 def plot_lag(report: dict, path: Path) -> None:
     """φ, ESS, clipped fraction and KL to the behaviour policy against the lag within a rollout:
     one panel per diagnostic, one line per method x N (mean over steps and seeds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the sweep's figures")
 
     from .markdown import LAG_METRICS
 

@@ -15,7 +15,7 @@ from softtrust.train.checkpoint import find_checkpoint
 from softtrust.train.config import TrainConfig
 
 from .grid import Cell, Sweep
-from .report import write_report
+from .report import require_report_dependencies, write_report
 from .runs import EXIT_BAD_CONFIG, EXIT_STOPPED
 
 # Exit codes of one cell's process (``python -m softtrust.sweep CELL.yaml``); any other is a crash.
@@ -86,8 +86,8 @@ def check_same_settings(sweep: Sweep, cell: Cell) -> None:
     saved = cell.directory(sweep.output_dir) / "config.yaml"
     if not saved.is_file():
         return
-    before = TrainConfig.from_yaml(saved).to_dict()
-    now = sweep.cell_config(cell).to_dict()
+    before = TrainConfig.from_yaml(saved).resolved().to_dict()  # a default means what it resolves to
+    now = sweep.cell_config(cell).resolved().to_dict()
     changed = sorted(
         key for key in now if key not in SETTINGS_THAT_DO_NOT_MATTER and before.get(key) != now[key]
     )
@@ -103,6 +103,7 @@ def run_sweep(sweep: Sweep) -> dict:
     """Run every cell that is not done yet, then write the report. Returns the report plus
     ``ran`` / ``skipped`` (cell names) and ``failed`` (cells that crashed)."""
     sweep.validate()
+    require_report_dependencies()  # the report at the end needs scipy: refused before any cell runs
     sweep.output_dir.mkdir(parents=True, exist_ok=True)
     max_steps = sweep.max_steps
     atomic_write_json(
@@ -131,27 +132,43 @@ def run_sweep(sweep: Sweep) -> dict:
     ]
     skipped = [c.name for c in cells if c not in todo]
     started = time.time()
-    ran, failed = execute(sweep, todo, len(cells), len(skipped), started)
+    ran, failed = execute(sweep, todo, cells, started)
     report = write_report(sweep, wall_seconds=time.time() - started)
     return {**report, "ran": ran, "skipped": skipped, "failed": failed}
 
 
-def execute(sweep: Sweep, todo: list[Cell], total: int, already: int, started: float):
-    """Run ``todo`` with at most ``sweep.jobs`` processes at once, under one progress bar."""
+def steps_done(sweep: Sweep, cells: list[Cell]) -> int:
+    """The optimizer steps done over ``cells``, for the sweep's progress: ``max_steps`` for a cell
+    that is done or stopped itself, else the lines of its ``metrics.jsonl`` (one per step,
+    written as the cell trains; at most ``max_steps``), 0 for a cell not started."""
+    max_steps, total = sweep.max_steps, 0
+    for cell in cells:
+        directory = cell.directory(sweep.output_dir)
+        if cell_status(directory, max_steps) in ("done", "stopped"):
+            total += max_steps
+        elif (directory / "metrics.jsonl").is_file():
+            with open(directory / "metrics.jsonl", "rb") as handle:
+                total += min(sum(1 for _ in handle), max_steps)
+    return total
+
+
+def execute(sweep: Sweep, todo: list[Cell], cells: list[Cell], started: float):
+    """Run ``todo`` (of the grid's ``cells``) with at most ``sweep.jobs`` processes at once, under
+    one progress bar counting the optimizer steps of every cell (done and running ones, from their
+    ``metrics.jsonl``): a cell of 128 steps takes minutes, so counting cells sat at 0 meanwhile."""
     from tqdm.auto import tqdm
 
     ran, failed, running = [], [], {}
-    queue = list(todo)
+    queue, finished_cells = list(todo), len(cells) - len(todo)
     bar = tqdm(
-        total=total,
-        initial=already,
+        total=len(cells) * sweep.max_steps,
+        initial=steps_done(sweep, cells),
         desc="sweep",
-        unit="cell",
+        unit="step",
         disable=not sweep.progress,
         dynamic_ncols=True,
         mininterval=1.0,
     )
-    log_path = sweep.output_dir / "sweep-log.jsonl"
     previous_handlers = stop_on_sigterm()
     last_refresh, refresh_every = 0.0, 1.0 if sys.stderr.isatty() else 60.0
     try:
@@ -161,29 +178,23 @@ def execute(sweep: Sweep, todo: list[Cell], total: int, already: int, started: f
                 running[cell] = (start_cell(sweep, cell), time.time())
             finished = [cell for cell, (process, _) in running.items() if process.poll() is not None]
             for cell in finished:
-                process, cell_started = running.pop(cell)
-                process.log.close()
-                directory = cell.directory(sweep.output_dir)
-                record = {
-                    "cell": cell.name,
-                    "directory": str(directory),
-                    "returncode": process.returncode,
-                    "seconds": time.time() - cell_started,
-                    "finished": time.time(),
-                }
-                atomic_write_json(directory / "sweep-cell.json", record)
-                with open(log_path, "a") as handle:
-                    handle.write(json.dumps(record) + "\n")
+                record = record_cell(sweep, cell, *running.pop(cell))
                 ran.append(cell.name)
-                if process.returncode == EXIT_BAD_CONFIG:
-                    raise ValueError(f"{cell.name}: bad configuration; see {directory / 'train.log'}")
-                if process.returncode not in (0, EXIT_STOPPED):
+                if record["returncode"] == EXIT_BAD_CONFIG:
+                    raise ValueError(f"{cell.name}: bad configuration; see {record['directory']}/train.log")
+                if record["returncode"] not in (0, EXIT_STOPPED):
                     failed.append(cell.name)
-                bar.write(cell_line(cell, directory, record))
-                bar.update(1)
+                bar.write(cell_line(cell, Path(record["directory"]), record))
+                finished_cells += 1
             now = time.time()
-            if now - last_refresh >= refresh_every:  # the elapsed time moves even between cells
-                bar.set_postfix(running=len(running), failed=len(failed), elapsed=f"{now - started:.0f}s")
+            if finished or now - last_refresh >= refresh_every:  # steps move inside the running cells
+                bar.n = steps_done(sweep, cells)
+                bar.set_postfix(
+                    cells=f"{finished_cells}/{len(cells)}",
+                    running=len(running),
+                    failed=len(failed),
+                    elapsed=f"{now - started:.0f}s",
+                )
                 last_refresh = now
             if running:
                 time.sleep(0.2)
@@ -195,6 +206,24 @@ def execute(sweep: Sweep, todo: list[Cell], total: int, already: int, started: f
         bar.close()
         restore_signals(previous_handlers)
     return ran, failed
+
+
+def record_cell(sweep: Sweep, cell: Cell, process: subprocess.Popen, started: float) -> dict:
+    """A cell's process has ended: its record (exit code, seconds) in ``sweep-cell.json`` and
+    a line of ``sweep-log.jsonl``."""
+    process.log.close()
+    directory = cell.directory(sweep.output_dir)
+    record = {
+        "cell": cell.name,
+        "directory": str(directory),
+        "returncode": process.returncode,
+        "seconds": time.time() - started,
+        "finished": time.time(),
+    }
+    atomic_write_json(directory / "sweep-cell.json", record)
+    with open(sweep.output_dir / "sweep-log.jsonl", "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    return record
 
 
 def stop_on_sigterm() -> dict:

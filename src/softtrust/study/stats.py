@@ -1,12 +1,15 @@
 """The study's statistics over seeds: intervals, paired tests, the Holm adjustment (pure functions).
 
 Every value is a fraction (accuracies in [0, 1]) or a difference of two; none of these
-functions reads a file. The quantiles and tail probabilities come from ``scipy.stats``.
+functions reads a file. The quantiles and tail probabilities come from ``scipy.stats`` (the
+``train`` extra; ``softtrust sweep`` checks for it before running any cell: ``report.require_report_dependencies``).
 """
 
 from __future__ import annotations
 
 import math
+
+from softtrust._optional import import_optional
 
 ALPHA = 0.05  # the family-wise error rate of the report's claims (Holm)
 
@@ -22,7 +25,7 @@ def mean_std_ci(values: list[float]) -> dict:
     ones are dropped; ``std`` and ``ci95`` are None with fewer than two values.
     Returns ``{"mean", "std", "ci95", "n", "values"}``.
     """
-    from scipy import stats
+    stats = import_optional("scipy.stats", "the sweep's statistics")
 
     values = _finite(values)
     n = len(values)
@@ -49,7 +52,7 @@ def paired_t_test(differences: list[float]) -> dict:
     and non-zero gives ``p = 0`` (no spread), all zero gives ``p = 1``.
     Returns ``mean_std_ci``'s dict plus ``{"test": "t", "p"}``.
     """
-    from scipy import stats
+    stats = import_optional("scipy.stats", "the sweep's statistics")
 
     stat = mean_std_ci(differences)
     p = None
@@ -71,7 +74,7 @@ def sign_test(differences: list[float]) -> dict:
     its price: with 5 seeds the smallest possible p is 2 / 2⁵ = 0.0625.
     Returns ``mean_std_ci``'s dict plus ``{"test": "sign", "p", "positive", "negative"}``.
     """
-    from scipy import stats
+    stats = import_optional("scipy.stats", "the sweep's statistics")
 
     values = _finite(differences)
     positive, negative = sum(v > 0 for v in values), sum(v < 0 for v in values)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from softtrust._optional import require
 from softtrust.aggregation import AGGREGATIONS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
@@ -43,6 +44,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (docs/main_job.md): seeds 0-4 under the default, avx2 and avx512 kernels reach 30 % after
 # 260-660 steps; a fixed 300 steps gave 1-32 % depending on the kernels.
 EMBEDDED_SFT_STEPS, DEFAULT_SFT_TARGET = 1000, 0.3
+EMBEDDED_MAX_NEW_TOKENS, MODEL_MAX_NEW_TOKENS = 6, 256  # TrainConfig.effective_max_new_tokens
 
 
 def _field(
@@ -208,7 +210,13 @@ class TrainConfig:
         "m, prompts per optimizer step (mini-batch); a sync rollout holds N x m prompts. Alias: --prompts-per-rollout.",
         low=1,
     )
-    max_new_tokens: int = _field(6, "Most tokens sampled per completion (end of sequence included).", low=1)
+    max_new_tokens: int | None = _field(
+        None,
+        "Most tokens sampled per completion (end of sequence included) (default: 6 for the embedded "
+        "model, whose answers are short; 256 for --model, room for a chat model's reply). A completion "
+        "cut at the limit has no end token and usually scores 0: the trainer warns once when most are.",
+        low=1,
+    )
     temperature: float = _field(
         1.0, "Sampling temperature (the learner scales logits by it too).", low=0, low_open=True
     )
@@ -292,7 +300,11 @@ class TrainConfig:
     report_to: str = _field(
         "none", "Extra metrics sink: none | tensorboard (metrics.jsonl is always written).", resumable=True
     )
-    progress: bool = _field(True, "Show a live progress bar.", resumable=True)
+    progress: bool = _field(
+        True,
+        "Show a live progress bar (--no-progress: a plain line every few steps instead, for log files).",
+        resumable=True,
+    )
 
     # ------------------------------------------------------------------ YAML
     def to_dict(self) -> dict:
@@ -316,6 +328,12 @@ class TrainConfig:
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    def resolved(self) -> TrainConfig:
+        """A copy with the defaults that depend on other fields filled in (``effective_sft_steps``,
+        ``effective_max_new_tokens``): what a run trains with and records in ``config.yaml``, so
+        a rerun or a resume from it uses the same values whatever the defaults become."""
+        return self.replace(sft_steps=self.effective_sft_steps, max_new_tokens=self.effective_max_new_tokens)
+
     # ------------------------------------------------------------------ checks
     def validate(self) -> TrainConfig:
         """Check every field; raise ``ValueError`` naming the first bad one. Returns self."""
@@ -326,6 +344,8 @@ class TrainConfig:
 
         for f in dataclasses.fields(self):
             check_field_value(f, getattr(self, f.name))
+        for module in ("transformers", "tokenizers"):  # the train extra (a core-only install has neither)
+            require(module, "the trainer")
         need(self.method in METHODS, "method", f"unknown method; choose one of {sorted(METHODS)}")
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
         need(self.proximal in PROXIMAL, "proximal", f"choose one of {PROXIMAL}")
@@ -351,6 +371,8 @@ class TrainConfig:
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
+        if self.report_to == "tensorboard":  # asked for: refused before any work, not after
+            require("tensorboard", "--report-to tensorboard", name="report_to")
         need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"choose one of {KL_ESTIMATORS}")
         need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
@@ -387,6 +409,15 @@ class TrainConfig:
         if self.sft_steps is not None:
             return self.sft_steps
         return EMBEDDED_SFT_STEPS if self.uses_embedded_model else 0
+
+    @property
+    def effective_max_new_tokens(self) -> int:
+        """``max_new_tokens`` when given; else 6 for the embedded model (a 3-digit sum, its end
+        token and a spare) and 256 for ``--model`` (a chat model's reply: with 6, every completion
+        was cut, so every reward and gradient was 0). Read this, never the field."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return EMBEDDED_MAX_NEW_TOKENS if self.uses_embedded_model else MODEL_MAX_NEW_TOKENS
 
 
 def check_causal_lm_directory(path: str) -> None:

@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+from softtrust._optional import require
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -63,6 +65,7 @@ def read_records(path: str | Path) -> list[tuple[str, object]]:
             # row 1 is the first record (the header line is not counted)
             return [(f"{path} row {number}", dict(row)) for number, row in enumerate(reader, start=1)]
     if suffix in (".parquet", ".pq"):
+        require("pyarrow", f"reading {path} (Parquet)", name="dataset")
         import pyarrow.parquet as pq
 
         rows = pq.read_table(path).to_pylist()
@@ -74,12 +77,9 @@ def read_records(path: str | Path) -> list[tuple[str, object]]:
 
 
 def _read_datasets_directory(path: Path) -> list[tuple[str, object]]:
-    try:
-        from datasets import DatasetDict, load_from_disk
-    except ImportError as error:  # pragma: no cover - datasets comes with the dev extra
-        raise ValueError(
-            f"dataset: {path} is a directory; reading it needs `pip install datasets`"
-        ) from error
+    require("datasets", f"reading the directory {path} (datasets' save_to_disk)", name="dataset")
+    from datasets import DatasetDict, load_from_disk
+
     try:
         loaded = load_from_disk(str(path))
     except Exception as error:

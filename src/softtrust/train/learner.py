@@ -399,7 +399,7 @@ def evaluate(
             tokenizer,
             task,
             problems,
-            config.max_new_tokens,
+            config.effective_max_new_tokens,
             strict=strict,
             samples=samples,
             num_samples=config.num_samples,
@@ -410,10 +410,12 @@ def evaluate(
             tokenizer,
             task,
             problems,
-            config.max_new_tokens,
+            config.effective_max_new_tokens,
             all_finished=world.all_true,
             strict=strict,
         )
     share = problems[world.rank :: world.size]
-    correct = greedy_accuracy(learner.model, tokenizer, task, share, config.max_new_tokens, strict=strict)
+    correct = greedy_accuracy(
+        learner.model, tokenizer, task, share, config.effective_max_new_tokens, strict=strict
+    )
     return world.sum(round(correct * len(share))) / len(problems)

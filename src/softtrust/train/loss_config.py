@@ -76,7 +76,7 @@ def build_method_loss(config: TrainConfig):
             kl=kl,
             # T_max of seq-mean-token-sum-norm: the configured maximum, so that ranks and
             # mini-batches with different padded lengths share one normaliser
-            max_completion_length=config.max_new_tokens,
+            max_completion_length=config.effective_max_new_tokens,
             **config.method_params,
         )
     except (TypeError, ValueError) as error:

@@ -63,9 +63,9 @@ def _coerce(cls, name: str, value):
         if _is_optional(cls, name):
             return None
         raise ValueError(f"{name}: expected {_kind_name(kind)}, got null")
-    if kind in (int, float) and isinstance(value, str) and value.strip().lower() in NULL_WORDS:
-        if _is_optional(cls, name):  # an optional number unset from the command line: --flag none
-            return None
+    optional_number = kind in (int, float) and _is_optional(cls, name)
+    if optional_number and isinstance(value, str) and value.strip().lower() in NULL_WORDS:
+        return None  # an optional number unset from the command line: --flag none
     if kind is dict:
         if isinstance(value, str):
             return parse_key_values(value, name)
@@ -242,7 +242,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            metavar = {int: "INT", float: "FLOAT", dict: "K=V,...", list: "INT,..."}.get(kind, "STR")
+            metavar = {int: "INT", float: "FLOAT", dict: "K=V,..."}.get(kind, "STR")
+            if kind is list:  # --reward-weights 1,0.2 takes numbers, --lag-schedule 0,1,2 integers
+                metavar = "FLOAT,..." if _list_element(TrainConfig, f.name) is _strict_float else "INT,..."
             parser.add_argument(
                 *flags, dest=f.name, default=argparse.SUPPRESS, metavar=metavar, help=help_text
             )
@@ -272,5 +274,5 @@ def load_resume_config(values: dict) -> TrainConfig:
     from .config import TrainConfig
 
     directory = run_directory_of(str(values["resume"]))
-    stored = TrainConfig.from_yaml(directory / "config.yaml")
+    stored = TrainConfig.from_yaml(directory / "config.yaml").resolved()  # older runs recorded None
     return resume_config(stored, values, directory)

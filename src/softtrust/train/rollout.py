@@ -432,6 +432,18 @@ class ProblemSampler:
         return problems
 
 
+def cut_fraction(batch: RolloutBatch, end_ids: Sequence[int], max_new_tokens: int) -> float:
+    """The share of ``batch``'s completions cut at ``max_new_tokens``: as long as the limit and
+    not ending with an end token (``end_token_ids``). A cut completion rarely holds a whole
+    answer, so it usually scores 0: when most are cut, reward and gradient vanish."""
+    if batch.completion_length < max_new_tokens or batch.input_ids.shape[0] == 0:
+        return 0.0  # every completion ended before the limit
+    full = batch.completion_mask.sum(dim=1) == max_new_tokens  # [B]
+    last = batch.input_ids[:, -1]  # [B] the last completion token (padding in a row that ended earlier)
+    cut = full & ~torch.isin(last, torch.tensor(list(end_ids), dtype=last.dtype))  # [B]
+    return float(cut.float().mean())
+
+
 def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
     """Completion text up to (not including) the first end token, without special tokens."""
     texts, ends = [], set(end_token_ids(tokenizer))

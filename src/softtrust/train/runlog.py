@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from softtrust._optional import MissingDependency, pyplot
 from softtrust._provenance import provenance
 from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
 
@@ -71,12 +72,13 @@ class RunLog:
         self.rewards: list[tuple[int, float]] = []
         self.accuracies: list[tuple[int, float]] = []
         self.tensorboard = None
-        if config.report_to == "tensorboard" and writes:
+        if config.report_to == "tensorboard" and writes:  # installed: TrainConfig.validate checks it
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(directory / "tensorboard"))
         self.last_postfix: dict = {}
         self.warmstart: dict = {}  # what the warm start did (warmstart_* fields), for the summary
+        self.warned: set[str] = set()  # the keys of the warnings given once (``warn``)
 
     @classmethod
     def open(cls, config: TrainConfig, world: World | None = None) -> RunLog:
@@ -105,7 +107,9 @@ class RunLog:
             run.rewards = [(r["step"], r["reward/mean"]) for r in read_jsonl(run.metrics_path)]
             run.accuracies = [(r["step"], r["eval/accuracy"]) for r in run._records() if "eval/accuracy" in r]
             starts = [r for r in read_jsonl(run.events_path) if "warmstart_steps" in r]
-            run.warmstart = {k: v for k, v in starts[-1].items() if k.startswith("warmstart")} if starts else {}
+            run.warmstart = (
+                {k: v for k, v in starts[-1].items() if k.startswith("warmstart")} if starts else {}
+            )
         return run
 
     def _records(self) -> list[dict]:
@@ -131,14 +135,16 @@ class RunLog:
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
 
-    def notice(self, message: str) -> None:
-        """One line on the terminal (standard error, below any progress bar) and a ``notice`` event."""
-        if not self.writes:
+    def warn(self, message: str, step: int, once: str | None = None) -> None:
+        """One line on stderr (``softtrust train: warning: ...``) and a ``{"warning": ...}`` line
+        in ``events.jsonl``: something the user should know that does not stop the run.
+        ``once``: a key; a second warning with the same key is dropped."""
+        if not self.writes or once in self.warned:
             return
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"softtrust train: {message}", file=sys.stderr)
-        self.log_event({"notice": message})
+        if once is not None:
+            self.warned.add(once)
+        print(f"softtrust train: warning: {message}", file=sys.stderr, flush=True)
+        self.log_event({"step": step, "warning": message})
 
     def log_samples(self, step: int, kind: str, samples: list[dict]) -> None:
         """Append ``samples`` (prompt as fed to the model, completion, rewards) to ``samples.jsonl``,
@@ -174,21 +180,30 @@ class RunLog:
         progress.set_postfix(self.last_postfix, refresh=False)
         progress.update(1)
 
+    def note(self, message: str) -> None:
+        """One line on stderr (rank 0): what the run is doing while no progress bar runs."""
+        if self.writes:
+            print(message, file=sys.stderr, flush=True)
+
     def progress_bar(self, config: TrainConfig, initial: int):
+        """The RL steps' progress: a live bar, or with ``--no-progress`` (a sweep cell) a plain
+        line every few steps (``StepLines``), so that a log file fills as the run goes."""
+        return self.simple_bar(
+            config.max_steps,
+            f"RL {config.method} N={config.staleness} {config.mode}",
+            initial,
+            config.progress,
+        )
+
+    def simple_bar(self, total: int, description: str, initial: int = 0, live: bool = True):
+        """A tqdm bar when ``live``, else ``StepLines``; silent on the ranks that do not write."""
+        if not live:
+            return StepLines(total, description, initial, enabled=self.writes)
         from tqdm.auto import tqdm
 
         return tqdm(
-            total=config.max_steps,
-            initial=initial,
-            desc=f"RL {config.method} N={config.staleness} {config.mode}",
-            disable=not (config.progress and self.writes),
-            dynamic_ncols=True,
+            total=total, initial=initial, desc=description, disable=not self.writes, dynamic_ncols=True
         )
-
-    def simple_bar(self, total: int, description: str):
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, desc=description, dynamic_ncols=True)
 
     def finish(
         self,
@@ -216,6 +231,7 @@ class RunLog:
             "staleness": config.staleness,
             "mode": config.mode,
             "max_lag": config.max_lag,
+            "max_new_tokens": config.effective_max_new_tokens,
             "wall_seconds": wall_seconds,
             **self.warmstart,
             "nonfinite_skips": state.nonfinite_skips,
@@ -228,17 +244,18 @@ class RunLog:
         if not self.writes:
             return summary
         atomic_write_text(self.directory / "summary.json", json.dumps(summary, indent=2) + "\n")
-        self.plot()
+        try:
+            self.plot()
+        except MissingDependency as missing:  # the run's results are saved: a figure is not worth a crash
+            self.warn(f"reward_curve.png not written: {missing}", state.step)
         if self.tensorboard is not None:
             self.tensorboard.close()
         return summary
 
     def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        """``reward_curve.png``: reward per step and held-out accuracy (``MissingDependency``
+        without matplotlib)."""
+        plt = pyplot("the reward plot")
         figure, axis = plt.subplots(figsize=(7, 4))
         if self.rewards:
             steps, rewards = zip(*self.rewards, strict=True)
@@ -255,6 +272,34 @@ class RunLog:
         figure.tight_layout()
         figure.savefig(self.directory / "reward_curve.png", dpi=100)
         plt.close(figure)
+
+
+class StepLines:
+    """A progress bar's plain-text stand-in (tqdm's ``update``, ``set_postfix``, ``close``): a line
+    on stderr, flushed, every ``total // LINES`` steps, at the last one and at least every
+    ``SECONDS``, e.g. ``RL vespo N=8 sync: step 16/128, reward 0.312, kl 1.20e-03, ...``."""
+
+    LINES, SECONDS = 16, 60.0
+
+    def __init__(self, total: int, description: str, initial: int = 0, enabled: bool = True):
+        self.total, self.description, self.n, self.enabled = total, description, initial, enabled
+        self.every = max(1, total // self.LINES)
+        self.postfix: dict = {}
+        self.last_line = time.time()
+
+    def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = False, **values) -> None:
+        self.postfix = {**(ordered_dict or {}), **values}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        due = self.n % self.every == 0 or self.n >= self.total or time.time() - self.last_line >= self.SECONDS
+        if self.enabled and due:
+            values = "".join(f", {key} {value}" for key, value in self.postfix.items())
+            print(f"{self.description}: step {self.n}/{self.total}{values}", file=sys.stderr, flush=True)
+            self.last_line = time.time()
+
+    def close(self) -> None:
+        pass
 
 
 def save_final_model(directory: Path, model, tokenizer, model_state: dict[str, torch.Tensor] | None) -> None:

@@ -36,6 +36,9 @@ from .loss_config import build_method_loss
 from .rollout import (
     ProblemSampler,
     RewardScorer,
+    RolloutBatch,
+    cut_fraction,
+    end_token_ids,
     generate_rollout,
     greedy_accuracy,
     group_uniforms,
@@ -64,7 +67,7 @@ def train(config: TrainConfig) -> dict:
     (``resolve_resume``). Launched by ``torchrun`` with several processes, this is
     data-parallel training (DDP, or FSDP2 with ``fsdp``); see ``docs/distributed.md``.
     """
-    config = resolve_resume(config).validate()
+    config = resolve_resume(config).resolved().validate()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     world = init_world(config.fsdp, resolve_device(config.device))
@@ -104,6 +107,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         run.log_event({"resumed_from": str(checkpoint), "step": state.step})
         run.truncate_after(state.step)  # metrics logged after the checkpoint will be logged again
     else:
+        run.note(f"evaluating {len(eval_problems)} held-out problems before RL (greedy)")
         state.accuracy_before = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, 0)
         run.log_event({"step": 0, "eval/accuracy": state.accuracy_before})
     rollouts.start(state.step, model)
@@ -117,6 +121,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
             if rollout is not None:
                 # 2. advantages: group-relative, from the rewards of the whole rollout
                 rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
+                warn_if_cut(run, rollout.batch, tokenizer, config, state.step)
             minibatch = rollouts.next(state.step)
             collect_seconds = time.time() - collect_start
             state.reward_failures = int(world.sum(scorer.failures))
@@ -159,10 +164,33 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         rollouts.close()
 
     save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
+    run.note(f"evaluating {len(eval_problems)} held-out problems after RL (greedy)")
     accuracy_after = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, state.step)
     run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
     final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
     return run.finish(config, model, tokenizer, state, accuracy_after, time.time() - started, final_state)
+
+
+CUT_WARNING = 0.5  # warn (once) when more than this share of a rollout's completions is cut
+CUT_WARNING_KEY = "cut completions"
+
+
+def warn_if_cut(run: RunLog, batch: RolloutBatch, tokenizer, config: TrainConfig, step: int) -> None:
+    """Warn once (``RunLog.warn``) when most of a rollout's completions reached ``max_new_tokens``
+    without an end token (``rollout.cut_fraction``): a cut completion usually scores 0, so reward
+    and gradient vanish without any error (a chat model with the embedded model's 6 tokens)."""
+    if CUT_WARNING_KEY in run.warned:
+        return
+    limit = config.effective_max_new_tokens
+    share = cut_fraction(batch, end_token_ids(tokenizer), limit)
+    if share > CUT_WARNING:
+        run.warn(
+            f"{share:.0%} of the completions sampled at step {step} reached --max-new-tokens {limit} "
+            "without an end token; a cut completion usually scores 0 (no reward, no gradient): "
+            "raise --max-new-tokens",
+            step,
+            once=CUT_WARNING_KEY,
+        )
 
 
 def rollout_advantages(
@@ -271,8 +299,9 @@ def resolve_resume(config: TrainConfig) -> TrainConfig:
     if config.resume is None:
         return config
     directory = run_directory_of(config.resume)
-    stored = TrainConfig.from_yaml(directory / "config.yaml")
-    changes = {key: value for key, value in config.to_dict().items() if value != getattr(stored, key)}
+    stored = TrainConfig.from_yaml(directory / "config.yaml").resolved()  # older runs recorded None
+    given = config.resolved()  # a default (None) means the value it resolves to
+    changes = {key: value for key, value in given.to_dict().items() if value != getattr(stored, key)}
     return resume_config(stored, {**changes, "resume": config.resume}, directory)
 
 
@@ -315,15 +344,20 @@ def load_policy(config: TrainConfig, run: RunLog, task, eval_problems, world: Wo
 def warm_start_policy(
     config: TrainConfig, run: RunLog, model, tokenizer, task, eval_problems, steps: int
 ) -> None:
-    """The cached supervised warm start (``warmstart.py``), with a progress bar while it trains;
-    one line on the terminal (and a ``notice`` event) when it stops below its target."""
+    """The cached supervised warm start (``warmstart.py``), with a progress bar (or lines) while it
+    trains; one warning line when it stops below its target."""
     target = None
     if config.sft_target_accuracy is not None:
         validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
         target = (
             config.sft_target_accuracy,
             lambda trained: greedy_accuracy(
-                trained, tokenizer, task, validation, config.max_new_tokens, strict=config.strict_reward
+                trained,
+                tokenizer,
+                task,
+                validation,
+                config.effective_max_new_tokens,
+                strict=config.strict_reward,
             ),
         )
     bar = None
@@ -331,7 +365,7 @@ def warm_start_policy(
     def progress(step: int, loss: float) -> None:
         nonlocal bar
         if bar is None:  # created on the first trained step: a cached warm start shows no bar
-            bar = run.simple_bar(steps, "warm start (supervised)")
+            bar = run.simple_bar(steps, "warm start (supervised)", live=config.progress)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
@@ -350,14 +384,14 @@ def warm_start_policy(
                 "dataset": config.dataset,
                 # the stopping rule's validation set and decoding length shape a target-accuracy warm start
                 **(
-                    {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.max_new_tokens)}
+                    {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)}
                     if target is not None
                     else {}
                 ),
             },
             cache_dir=config.cache_dir,
             exclude=eval_problems,
-            progress=progress if config.progress and run.writes else None,
+            progress=progress if run.writes else None,
             target=target,
         )
     finally:
@@ -373,10 +407,11 @@ def warm_start_policy(
     }
     run.log_event(dict(run.warmstart))
     if not done.reached:
-        run.notice(
+        run.warn(
             f"the warm start stopped at its cap of {steps} steps with validation accuracy "
             f"{done.accuracy:.3f}, below its target {done.target} (--sft-target-accuracy); RL starts "
-            "from there (raise --sft-steps to let it reach the target)"
+            "from there (raise --sft-steps to let it reach the target)",
+            step=0,
         )
 
 
@@ -401,12 +436,12 @@ def build_rollout_source(
             [problems[group] for group in groups],
             scorer,
             group_size=config.group_size,
-            max_new_tokens=config.max_new_tokens,
+            max_new_tokens=config.effective_max_new_tokens,
             temperature=config.temperature,
             policy_version=version,
             dtype=dtype,
             uniforms=group_uniforms(
-                config.seed, rollout_index, groups, config.group_size, config.max_new_tokens
+                config.seed, rollout_index, groups, config.group_size, config.effective_max_new_tokens
             ),
             all_finished=world.all_true if world.fsdp else None,
             top_k=config.top_k,

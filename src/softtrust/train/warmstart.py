@@ -186,7 +186,9 @@ def warm_start(
                 return WarmStart(cache_file, True, taken, accuracy, goal)
             except Exception:
                 cache_file.unlink(missing_ok=True)  # a corrupt cache entry: retrain
-        taken, accuracy = _train(model, tokenizer, task, steps, lr, batch_size, seed, exclude, progress, target)
+        taken, accuracy = _train(
+            model, tokenizer, task, steps, lr, batch_size, seed, exclude, progress, target
+        )
         _save_atomically(model, cache_file, taken, accuracy)
     return WarmStart(cache_file, False, taken, accuracy, goal)
 
