@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -322,6 +323,17 @@ def test_methods_are_frozen():
 
 
 # --- the package: exports and shared texts ---------------------------------------------------------
+
+
+def test_every_registered_method_is_exported_by_its_family_module_and_the_package():
+    """Exports flow from each family module's ``__all__`` through ``softtrust.methods.__all__``
+    to ``softtrust.__all__``: a method missing from its module's ``__all__`` fails here."""
+    assert set(st.methods.__all__) <= set(st.__all__)
+    for cls in st.METHODS.values():
+        family = sys.modules[cls.__module__]
+        assert cls.__name__ in family.__all__, cls
+        assert cls.__name__ in st.methods.__all__, cls
+        assert getattr(st, cls.__name__) is cls, cls
 
 
 def test_every_token_only_method_gives_the_one_token_level_note():

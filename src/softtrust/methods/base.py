@@ -20,6 +20,16 @@ import torch
 
 from softtrust.ratios import SEQUENCE_LEVELS
 
+__all__ = [
+    "METHODS",
+    "DetachedWeightMethod",
+    "LossContext",
+    "Method",
+    "MethodOutput",
+    "make_method",
+    "register_method",
+]
+
 
 class LossContext(NamedTuple):
     """Everything a method may read, in one object (all float tensors share one dtype).

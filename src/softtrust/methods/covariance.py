@@ -24,6 +24,8 @@ from softtrust._validation import check_number
 from softtrust.methods.base import LossContext, Method, MethodOutput, register_method, token_level_note
 from softtrust.methods.trust_region import clipped_surrogate
 
+__all__ = ["ClipCov", "KLCov"]
+
 _COVARIANCE_REASON = "selects tokens by the covariance of their log-prob and advantage"
 
 

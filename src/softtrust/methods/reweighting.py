@@ -21,6 +21,8 @@ from softtrust.methods.base import (
     token_level_note,
 )
 
+__all__ = ["CISPO", "DPPO", "REINFORCE", "TOPR", "VESPO"]
+
 
 @register_method
 @dataclass(frozen=True)

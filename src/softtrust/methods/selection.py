@@ -24,6 +24,8 @@ from softtrust._validation import check_number
 from softtrust.methods.base import LossContext, Method, MethodOutput, register_method, token_level_note
 from softtrust.methods.trust_region import clipped_surrogate
 
+__all__ = ["BAPO", "M2PO"]
+
 
 def m2po_threshold(second_moment: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
     """M2PO's batch-wide cut: mask a token iff its ``d²`` is ``>=`` the returned value.

@@ -21,6 +21,8 @@ from softtrust.methods.base import (
     token_level_note,
 )
 
+__all__ = ["CFPO", "DRO", "GMPO", "GSPO", "PSPO", "SAPO", "Clip"]
+
 # the levels of a method whose ratio sits in the graph: token, GSPO's mean, and GSPO-token
 _RATIO_LEVELS = ("token", "sequence-mean", "sequence-mean-token")
 _SUM_LEVEL_NOTE = (
