@@ -357,9 +357,10 @@ class PolicyLoss:
         :func:`~softtrust._validation.check_input_values` call, on the CPU by default).
         Why not the ``where`` path alone: on the CPU, PyTorch's bool selects run about 7x
         slower than a multiply (``where(m, x, 0)`` 1.52 ms against ``x * m`` 0.21 ms at
-        64 × 8192, one thread; forward + backward 4.24 against 0.73 ms), and the loss makes
-        four of them. Measured with ``benchmarks/bench_loss.py``'s variants, 8 runs of each
-        code interleaved (median [range] of the runs' ratios, each the median of 30 rounds),
+        64 × 8192, one thread, torch 2.13.0+cpu; forward + backward 4.24 against 0.73 ms), and
+        that path makes two to four of them plus the ``isfinite`` guard. Measured with
+        ``benchmarks/bench_loss.py``'s variants on 2 shared cores, 8 runs of each code
+        interleaved (median [range] of the runs' ratios, each the median of 30 rounds),
         the ``where`` path alone took VESPO from 1.85× [1.67–1.94] TRL's speed to 1.17×
         [1.06–2.39] at 64 × 4096, 2.03× [1.78–3.32] to 1.08× [1.06–1.19] at 64 × 8192 and
         1.85× [1.28–2.21] to 1.07× [1.04–1.15] at 32 × 16384; Clip from 1.70×, 2.01×, 2.08×
@@ -384,13 +385,12 @@ class PolicyLoss:
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1)  # [B, 1]
         raw_log_ratio = (logprobs if self._ratio_in_graph else logprobs.detach()) - old  # [B, T]
-        finite, clamp = False, self.log_ratio_clamp
-        if values_are_checked(self.check_values, logprobs.is_cpu):  # one host read per sum and count
+        checked, clamp = values_are_checked(self.check_values, logprobs.is_cpu), self.log_ratio_clamp
+        finite = False
+        if checked:  # one host read per sum and count; logp - old stands for both log-probs
+            differences = raw_log_ratio.detach() if raw_log_ratio.requires_grad else raw_log_ratio
             finite, counts = check_input_values(
-                mask,
-                {**recorded, "advantages": advantages},
-                (raw_log_ratio.detach(), rollout, ref, advantages),
-                counts,
+                mask, {**recorded, "advantages": advantages}, (differences, rollout, ref, advantages), counts
             )
         if finite:  # masked entries are finite: a multiply masks the log-ratio, the other inputs stay
             if raw_log_ratio.requires_grad:
@@ -411,7 +411,11 @@ class PolicyLoss:
         if self.is_correction is not None:
             log_rho = rollout_log_ratio(old * mask_f, rollout, self.is_correction.level, clamp)
             is_log_weight = self.is_correction.log_weight(log_rho)  # [B, T] or [B, 1], detached
-        num_tokens = num_active.sum() if counts["num_tokens"] is None else counts["num_tokens"]
+        num_tokens = counts["num_tokens"]
+        # none given: this batch's count, read as a number where values are read anyway (a division
+        # by a number costs the aggregation fewer operations than one by a 0-dim tensor)
+        if num_tokens is None:
+            num_tokens = num_active.sum().item() if checked else num_active.sum()
         return _Batch(
             logprobs=logprobs,
             old=old,
