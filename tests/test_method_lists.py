@@ -44,6 +44,8 @@ def test_each_generated_list_names_every_registered_method_once(path):
 
 
 def test_verl_md_lists_exactly_the_loss_modes_the_plugin_registers():
+    """verl.md's two lists against what the plugin registers in verl (not only the registry):
+    fails if the plugin skips a method or names one differently."""
     pytest.importorskip("verl")
     from softtrust.integrations import verl as st_verl
 
@@ -53,6 +55,8 @@ def test_verl_md_lists_exactly_the_loss_modes_the_plugin_registers():
 
 
 def test_methods_md_summary_table_has_one_row_per_registered_method_naming_its_class():
+    """The hand-written table: a method without a row, a row without a method, or a row naming
+    another class (a rename) fails."""
     rows = method_lists.summary_rows((ROOT / "docs" / "methods.md").read_text())
     assert sorted(rows) == sorted(st.METHODS)
     for name, signature in rows.items():
