@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import sys
 
 import pytest
 import torch
@@ -318,3 +320,29 @@ def test_name_plus_overrides_builds_the_method():
 def test_methods_are_frozen():
     with pytest.raises(AttributeError):
         st.Clip().eps_low = 0.5
+
+
+# --- the package: exports and shared texts ---------------------------------------------------------
+
+
+def test_every_registered_method_is_exported_by_its_family_module_and_the_package():
+    """Exports flow from each family module's ``__all__`` through ``softtrust.methods.__all__``
+    to ``softtrust.__all__``: a method missing from its module's ``__all__`` fails here."""
+    assert set(st.methods.__all__) <= set(st.__all__)
+    for cls in st.METHODS.values():
+        family = sys.modules[cls.__module__]
+        assert cls.__name__ in family.__all__, cls
+        assert cls.__name__ in st.methods.__all__, cls
+        assert getattr(st, cls.__name__) is cls, cls
+
+
+def test_every_token_only_method_gives_the_one_token_level_note():
+    """One text for every method defined at the token level only (``token_level_note``), shown
+    in the error that refuses another level."""
+    token_only = [name for name, cls in st.METHODS.items() if cls.levels == ("token",)]
+    assert {"dro", "dppo", "kl-cov", "clip-cov", "m2po", "bapo"} <= set(token_only)
+    for name in token_only:
+        note = st.METHODS[name].level_note
+        assert note.endswith(", so it is defined at the 'token' level only"), name
+        with pytest.raises(ValueError, match=f"not supported by method '{name}'.*{re.escape(note)}"):
+            st.PolicyLoss(name, level="sequence-mean")

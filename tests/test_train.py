@@ -784,3 +784,20 @@ def test_one_process_world_takes_the_resolved_device(monkeypatch):
     assert current == [torch.device("cuda", 1)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_config_refuses_the_decoupled_objective_for_a_method_whose_class_says_so(monkeypatch):
+    """The config reads ``Method.supports_proximal`` and its ``proximal_note``, not a method name:
+    M2PO (which declares it) is refused; SAPO is accepted until its class declares the same.
+    Fails if config.py tests for "m2po" by name again."""
+    import softtrust as st
+
+    with pytest.raises(ValueError, match="proximal: M2PO computes d"):
+        TrainConfig(mode="async", proximal="loglinear", method="m2po").validate()
+    config = TrainConfig(mode="async", proximal="loglinear", method="sapo")
+    config.validate()
+    monkeypatch.setattr(st.SAPO, "supports_proximal", False)
+    monkeypatch.setattr(st.SAPO, "proximal_note", "SAPO refuses pi_prox here")
+    with pytest.raises(ValueError, match="proximal: SAPO refuses pi_prox here; use --proximal none"):
+        config.validate()
+    assert all(cls.supports_proximal or cls.proximal_note for cls in st.METHODS.values())

@@ -444,3 +444,25 @@ def test_rejected_weights_stay_zero_with_a_small_log_ratio_clamp():
     loss, grad, _ = run(get_policy_loss_fn("softtrust.clip"), "token-mean", config, weights)
     assert loss.item() == pytest.approx(case["loss"], abs=1e-9)
     torch.testing.assert_close(grad, torch.tensor(case["grad"], dtype=torch.float64), atol=1e-9, rtol=1e-9)
+
+
+def test_token_weights_enter_as_the_methods_engine_token_weights_says(monkeypatch):
+    """verl.py reads ``engine_token_weights`` from the method class, not a list of names: declared
+    ``"geometric-mean"`` on Clip, token weights w act as the per-sequence weight exp(mean_t log w_t)
+    repeated on every token (what ``"per-token"`` makes of that repeated weight), and differ from
+    Clip's own per-token reading. Fails if verl.py keys the rule on a method name (GMPO's)."""
+    config = actor_config({"clip_ratio_low": 0.2, "clip_ratio_high": 0.2})
+    mask = INPUTS["mask"]
+    noise = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    weights = torch.exp(0.3 * noise) * mask
+    log_w = torch.where(mask, torch.log(weights + st_verl.GEO_MEAN_EPS), 0.0)
+    count = mask.sum(-1, keepdim=True).clamp(min=1)
+    geometric = torch.exp(log_w.sum(-1, keepdim=True) / count) * mask  # [B, T]
+    clip = get_policy_loss_fn("softtrust.clip")
+    per_token = run(clip, "token-mean", config, weights)
+    repeated = run(clip, "token-mean", config, geometric)
+    monkeypatch.setattr(st.Clip, "engine_token_weights", "geometric-mean")
+    as_geometric_mean = run(clip, "token-mean", config, weights)
+    torch.testing.assert_close(as_geometric_mean[0], repeated[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(as_geometric_mean[1], repeated[1], rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(per_token[0], as_geometric_mean[0])

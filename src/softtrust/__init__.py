@@ -3,37 +3,14 @@
 The public API, re-exported names only. See DESIGN.md / docs/ for the architecture.
 """
 
+from softtrust import methods
 from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import MIS, OPSM, TIS, Reject
 from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
 from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.loss import LossOutput, PolicyLoss
-from softtrust.methods import (
-    BAPO,
-    CFPO,
-    CISPO,
-    DPPO,
-    DRO,
-    GMPO,
-    GSPO,
-    M2PO,
-    METHODS,
-    PSPO,
-    REINFORCE,
-    SAPO,
-    TOPR,
-    VESPO,
-    Clip,
-    ClipCov,
-    DetachedWeightMethod,
-    KLCov,
-    LossContext,
-    Method,
-    MethodOutput,
-    make_method,
-    register_method,
-)
+from softtrust.methods import *  # noqa: F403  (softtrust.methods.__all__: the methods and their interface)
 from softtrust.ratios import LEVELS
 from softtrust.truncation import sample_truncated, truncated_log_softmax, truncation_mask
 
@@ -42,34 +19,13 @@ __version__ = "0.1.0"
 __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
-    "BAPO",
-    "CFPO",
-    "CISPO",
-    "DPPO",
-    "DRO",
-    "GMPO",
-    "GSPO",
     "KL",
     "KL_ESTIMATORS",
     "LEVELS",
-    "M2PO",
-    "METHODS",
     "MIS",
     "OPSM",
-    "PSPO",
-    "REINFORCE",
-    "SAPO",
     "TIS",
-    "TOPR",
-    "VESPO",
-    "Clip",
-    "ClipCov",
-    "DetachedWeightMethod",
-    "KLCov",
-    "LossContext",
     "LossOutput",
-    "Method",
-    "MethodOutput",
     "PolicyLoss",
     "Reject",
     "aggregate",
@@ -77,11 +33,10 @@ __all__ = [
     "completion_logprobs",
     "group_advantages",
     "kl_estimate",
-    "make_method",
-    "register_method",
     "rloo_advantages",
     "sample_truncated",
     "token_logprobs",
     "truncated_log_softmax",
     "truncation_mask",
+    *methods.__all__,
 ]

@@ -8,7 +8,7 @@ alone. Hyperparameter checks run at construction time (in ``__post_init__``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -101,6 +101,50 @@ def check_count(name: str, value: object, check_values: bool) -> None:
             return
         value = value.item()
     check_number(name, value, low=0.0, low_inclusive=False)
+
+
+def check_input_values(
+    mask: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor | None],
+    sums: Sequence[torch.Tensor | None],
+    counts: Mapping[str, float | torch.Tensor | None],
+) -> tuple[bool, dict[str, float | None]]:
+    """Every value check of one loss call; reads values on the host (a device sync).
+
+    Raises a ``ValueError`` naming the input: a non-bool ``mask`` holding a value other than
+    0 and 1, a count that is not a finite number > 0, or an entry of ``inputs`` that is not
+    finite at an active position (an input whose last dimension is 1 holds one value per
+    row: checked on rows with an active token).
+
+    The costly part, the per-position check, runs only when needed: each tensor of ``sums``
+    is summed first (its sum is non-finite as soon as one of its terms is, masked or not), and
+    only a non-finite sum leads to the per-position check of ``inputs``. (On the CPU a read
+    costs less than one more operation to combine the sums.)
+
+    Args:
+        mask: [B, T] bool or 0/1.
+        inputs: name -> tensor as the caller gave it ([B, T] or [B, 1]), None for absent ones.
+        sums: tensors whose finiteness stands for every input's (``logp - old`` stands for both
+            log-probs), None for absent ones.
+        counts: name -> None, a number or a one-element tensor.
+
+    Returns:
+        ``(finite, numbers)``: whether every summed tensor is finite everywhere (the rare
+        overflow of finite terms reports False, which costs the caller only its exact path),
+        and each count as a Python number (None stays None).
+    """
+    check_mask_values("mask", mask)
+    numbers = {}
+    for name, value in counts.items():
+        check_count(name, value, True)
+        numbers[name] = value.item() if isinstance(value, torch.Tensor) else value
+    finite = all(math.isfinite(x.sum().item()) for x in sums if x is not None)
+    if not finite:
+        active = mask if mask.dtype == torch.bool else mask != 0
+        for name, x in inputs.items():
+            if x is not None:
+                check_finite_where_active(name, x, active if x.shape[-1] != 1 else active.any(-1, True))
+    return finite, numbers
 
 
 def values_are_checked(check_values: bool | None, is_cpu: bool) -> bool:

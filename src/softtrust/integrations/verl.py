@@ -16,7 +16,7 @@ What verl hands the loss, and where it goes:
 | ``advantages`` [B, T], ``response_mask`` | ``advantages``, ``mask``                                 |
 | ``loss_agg_mode``                      | ``aggregation`` (the caller's choice, for every method)   |
 | ``global_batch_info``                  | ``num_tokens = batch_num_tokens``, ``num_sequences = global_batch_size``, ``max_completion_length = loss_scale_factor``; the loss times ``dp_size`` |
-| ``rollout_is_weights``                 | a behaviour-correction weight: multiplies the per-token loss (GMPO: their geometric mean per sequence, as verl's ``geo_mean``), or is folded into W by VESPO |
+| ``rollout_is_weights``                 | a behaviour-correction weight, as the method's ``engine_token_weights`` says: multiplies the per-token loss, or their geometric mean per sequence multiplies the sequence's loss (GMPO, as verl's ``geo_mean``); folded into W by a method with ``folds_correction`` (VESPO) |
 
 Parameters, lowest precedence first: the method's defaults; verl's own fields, read as
 verl reads them for the matching built-in loss (:data:`VERL_FIELDS`); the dict
@@ -77,10 +77,9 @@ PREFIX = "softtrust."
 #: keys of ``policy_loss.softtrust`` that are not method parameters
 OPTIONS = ("level", "log_ratio_clamp", "rollout_is")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
-#: methods whose verl peer reads token-level IS weights per sequence, as their geometric mean
-#: (verl's ``geo_mean``: ``exp(mean_t log(w_t + 1e-10))`` multiplies the sequence loss)
-WEIGHTS_PER_SEQUENCE = {"gmpo": "sequence"}
-GEO_MEAN_EPS = 1e-10  # verl's geo_mean takes log(w + 1e-10): a zero token weight only shrinks the mean
+#: verl's ``geo_mean`` takes ``exp(mean_t log(w_t + 1e-10))`` for a method whose
+#: ``engine_token_weights`` is ``"geometric-mean"``: a zero token weight only shrinks the mean
+GEO_MEAN_EPS = 1e-10
 
 __all__ = [
     "OPTIONS",
@@ -362,11 +361,12 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
             active = int((response_mask.sum(dim=-1) > 0).sum())  # verl counts sequences with an active token
             num_sequences = active if active > 0 else None
         rollout, level = None, None
-        if rollout_is_weights is not None:  # folded into W (VESPO) at their level, else a per-token factor
+        geometric_mean = METHODS[method].engine_token_weights == "geometric-mean"
+        if rollout_is_weights is not None:  # folded into W (VESPO) at their level, else a factor on ℓ
             if METHODS[method].folds_correction:
                 level = _rollout_is_level(config, options)
-            else:
-                level = WEIGHTS_PER_SEQUENCE.get(method, "token")
+            else:  # per token, or their geometric mean per sequence (a sequence-level weight)
+                level = "sequence" if geometric_mean else "token"
         loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
         if rollout_is_weights is not None:
             rollout = _weights_as_rollout_logprobs(
@@ -375,7 +375,7 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
                 response_mask,
                 level,
                 _clamp(options),
-                GEO_MEAN_EPS if method in WEIGHTS_PER_SEQUENCE else 0.0,
+                GEO_MEAN_EPS if geometric_mean else 0.0,
             )
         out = loss_fn(
             log_prob,

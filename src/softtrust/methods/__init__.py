@@ -1,55 +1,32 @@
 """Trust-region and importance-weight shaping methods: one small frozen dataclass each.
 
-| module | what | methods |
+| module | what | e.g. |
 | --- | --- | --- |
 | :mod:`~softtrust.methods.base` | the interface: :class:`LossContext`, :class:`Method`, the registry | |
-| :mod:`~softtrust.methods.trust_region` | the ratio is in the graph, bounded or damped | Clip, GSPO, SAPO, PSPO, CFPO, GMPO, DRO |
-| :mod:`~softtrust.methods.reweighting` | REINFORCE with a detached weight | CISPO, VESPO, DPPO, TOPR, REINFORCE |
+| :mod:`~softtrust.methods.trust_region` | the ratio is in the graph, bounded or damped | Clip, GSPO, SAPO |
+| :mod:`~softtrust.methods.reweighting` | REINFORCE with a detached weight | CISPO, VESPO |
 | :mod:`~softtrust.methods.covariance` | a batch-wide selection by log-prob/advantage covariance | KLCov, ClipCov |
 | :mod:`~softtrust.methods.selection` | a batch-wide selection (``batch_state``) applied per token | M2PO, BAPO |
 
-Adding a method: see ``docs/adding_a_method.md``. Importing this package registers
-every method in :data:`METHODS`, the one list of names the CLI, the config, the
-adapters and the tests read.
+Each module's ``__all__`` names its methods; this package re-exports them all in its own
+``__all__``, and ``softtrust`` re-exports that: a method added to one of these modules needs
+no edit here or in ``softtrust/__init__.py``. Adding a method: see ``docs/adding_a_method.md``.
+Importing this package registers every method in :data:`METHODS`, the one list of names the
+CLI, the config, the adapters, the docs' method lists and the tests read.
 """
 
-from softtrust.methods.base import (
-    METHODS,
-    DetachedWeightMethod,
-    LossContext,
-    Method,
-    MethodOutput,
-    make_method,
-    register_method,
-)
-from softtrust.methods.covariance import ClipCov, KLCov
-from softtrust.methods.reweighting import CISPO, DPPO, REINFORCE, TOPR, VESPO, VESPO_LOG_W_FLOOR
-from softtrust.methods.selection import BAPO, M2PO
-from softtrust.methods.trust_region import CFPO, DRO, GMPO, GSPO, PSPO, SAPO, Clip
+from softtrust.methods import base, covariance, reweighting, selection, trust_region
+from softtrust.methods.base import *  # noqa: F403
+from softtrust.methods.covariance import *  # noqa: F403
+from softtrust.methods.reweighting import *  # noqa: F403
+from softtrust.methods.reweighting import VESPO_LOG_W_FLOOR as VESPO_LOG_W_FLOOR
+from softtrust.methods.selection import *  # noqa: F403
+from softtrust.methods.trust_region import *  # noqa: F403
 
 __all__ = [
-    "BAPO",
-    "CFPO",
-    "CISPO",
-    "DPPO",
-    "DRO",
-    "GMPO",
-    "GSPO",
-    "M2PO",
-    "METHODS",
-    "PSPO",
-    "REINFORCE",
-    "SAPO",
-    "TOPR",
-    "VESPO",
-    "VESPO_LOG_W_FLOOR",
-    "Clip",
-    "ClipCov",
-    "DetachedWeightMethod",
-    "KLCov",
-    "LossContext",
-    "Method",
-    "MethodOutput",
-    "make_method",
-    "register_method",
+    *base.__all__,
+    *trust_region.__all__,
+    *reweighting.__all__,
+    *covariance.__all__,
+    *selection.__all__,
 ]

@@ -20,6 +20,16 @@ import torch
 
 from softtrust.ratios import SEQUENCE_LEVELS
 
+__all__ = [
+    "METHODS",
+    "DetachedWeightMethod",
+    "LossContext",
+    "Method",
+    "MethodOutput",
+    "make_method",
+    "register_method",
+]
+
 
 class LossContext(NamedTuple):
     """Everything a method may read, in one object (all float tensors share one dtype).
@@ -109,6 +119,19 @@ class Method:
     #: True: a behaviour correction's log-weight is added to the log-ratio (VESPO);
     #: False: the correction weight multiplies the per-token loss
     folds_correction: ClassVar[bool] = False
+    #: whether the method may run under the decoupled objective (the trainer's ``--proximal``),
+    #: which passes π_prox as ``old_logprobs`` and the behaviour weight π_prox/μ as a correction;
+    #: read by the training config, which refuses the pair with ``proximal_note``
+    supports_proximal: ClassVar[bool] = True
+    #: why the decoupled objective is refused (shown in the error)
+    proximal_note: ClassVar[str] = ""
+    #: how a per-token behaviour weight w_t handed over by an engine (verl's
+    #: ``rollout_is_weights``) enters the loss: ``"per-token"``, w_t multiplies ℓ_t (softtrust's
+    #: own TIS/MIS do this); ``"geometric-mean"``, ``exp(mean_t log w_t)`` multiplies the
+    #: sequence's ℓ (a method whose ratio is a geometric mean of token ratios: GMPO, as verl's
+    #: ``geo_mean``). Read by :mod:`softtrust.integrations.verl`; methods with
+    #: ``folds_correction`` fold the weights into their ratio instead
+    engine_token_weights: ClassVar[str] = "per-token"
 
     def loss(self, ctx: LossContext) -> MethodOutput:  # pragma: no cover - interface
         """The per-token loss ℓ (broadcastable to [B, T]) and diagnostics: the method's one formula."""
@@ -145,6 +168,15 @@ class DetachedWeightMethod(Method):
         return MethodOutput(
             -(weight * ctx.advantages) * ctx.logprobs, stats
         )  # [B, T]; the [B, 1] factor first
+
+
+def token_level_note(name: str, reason: str) -> str:
+    """The ``level_note`` of a method defined at the ``token`` level only: one text for all of them.
+
+    >>> token_level_note("DRO", "penalises each token's log-ratio")
+    "DRO penalises each token's log-ratio, so it is defined at the 'token' level only"
+    """
+    return f"{name} {reason}, so it is defined at the 'token' level only"
 
 
 def choose(

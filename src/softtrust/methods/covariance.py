@@ -21,9 +21,12 @@ from typing import ClassVar
 import torch
 
 from softtrust._validation import check_number
-from softtrust.methods.base import LossContext, Method, MethodOutput, register_method
+from softtrust.methods.base import LossContext, Method, MethodOutput, register_method, token_level_note
+from softtrust.methods.trust_region import clipped_surrogate
 
-_TOKEN_NOTE = "the covariance selection works on tokens"
+__all__ = ["ClipCov", "KLCov"]
+
+_COVARIANCE_REASON = "selects tokens by the covariance of their log-prob and advantage"
 
 
 def _centred_covariance(ctx: LossContext, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -91,7 +94,7 @@ class KLCov(Method):
 
     name: ClassVar[str] = "kl-cov"
     levels: ClassVar[tuple[str, ...]] = ("token",)
-    level_note: ClassVar[str] = _TOKEN_NOTE
+    level_note: ClassVar[str] = token_level_note("KL-Cov", _COVARIANCE_REASON)
 
     ratio: float = 2e-4
     coef: float = 1.0
@@ -156,7 +159,7 @@ class ClipCov(Method):
 
     name: ClassVar[str] = "clip-cov"
     levels: ClassVar[tuple[str, ...]] = ("token",)
-    level_note: ClassVar[str] = _TOKEN_NOTE
+    level_note: ClassVar[str] = token_level_note("Clip-Cov", _COVARIANCE_REASON)
 
     ratio: float = 2e-4
     cov_low: float = 1.0
@@ -171,17 +174,20 @@ class ClipCov(Method):
         check_number("eps_low", self.eps_low, low=0.0, high=1.0, high_inclusive=False)
         check_number("eps_high", self.eps_high, low=0.0)
 
-    def _surrogates(self, ctx: LossContext) -> tuple[torch.Tensor, torch.Tensor]:
-        ratio = torch.exp(ctx.token_log_ratio)  # [B, T]
-        unclipped = -ctx.advantages * ratio
-        clipped = -ctx.advantages * ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
-        return unclipped, clipped
-
     def _candidates(self, ctx: LossContext, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        unclipped, clipped = self._surrogates(ctx)
+        """Active tokens in the covariance band that the clip leaves unclipped, [B, T] bool, detached.
+
+        "Unclipped" compares the two terms as verl's ``clip_cov`` does, ``-clip(r)·A <= -r·A``
+        (not the clip fractions of :func:`clipped_surrogate`, which round differently where
+        ``r`` is within an ulp of a bound).
+        """
+        ratio = torch.exp(ctx.token_log_ratio.detach())  # [B, T]
+        negative = -ctx.advantages  # [B, 1] or [B, T]
+        unclipped = negative * ratio
+        clipped = negative * ratio.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
         cov = _centred_covariance(ctx, state)
         in_band = (cov > self.cov_low) & (cov < self.cov_high)
-        return in_band & (clipped.detach() <= unclipped.detach()) & (ctx.mask > 0)  # [B, T] bool
+        return in_band & (clipped <= unclipped) & (ctx.mask > 0)  # [B, T] bool
 
     @staticmethod
     def _keys(ctx: LossContext, salt: torch.Tensor) -> torch.Tensor:
@@ -214,6 +220,9 @@ class ClipCov(Method):
         state = ctx.state
         candidates = self._candidates(ctx, state)
         picked = candidates & (self._keys(ctx, state["cov/salt"]) <= state["cov/key_threshold"])
-        unclipped, clipped = self._surrogates(ctx)
-        loss = torch.where(picked, 0.0, torch.maximum(unclipped, clipped))
-        return MethodOutput(loss, {"cov/picked": picked} if ctx.with_stats else {})
+        loss, stats = clipped_surrogate(
+            ctx.ratio, ctx.advantages, 1.0 - self.eps_low, 1.0 + self.eps_high, ctx.with_stats
+        )  # [B, T]
+        if ctx.with_stats:
+            stats["cov/picked"] = picked
+        return MethodOutput(torch.where(picked, 0.0, loss), stats)

@@ -12,7 +12,16 @@ from typing import ClassVar
 import torch
 
 from softtrust._validation import check_choice, check_number
-from softtrust.methods.base import DetachedWeightMethod, LossContext, MethodOutput, choose, register_method
+from softtrust.methods.base import (
+    DetachedWeightMethod,
+    LossContext,
+    MethodOutput,
+    choose,
+    register_method,
+    token_level_note,
+)
+
+__all__ = ["CISPO", "DPPO", "REINFORCE", "TOPR", "VESPO"]
 
 
 @register_method
@@ -190,7 +199,7 @@ class DPPO(DetachedWeightMethod):
 
     name: ClassVar[str] = "dppo"
     levels: ClassVar[tuple[str, ...]] = ("token",)
-    level_note: ClassVar[str] = "DPPO's trust region is a per-token divergence between p and p_old"
+    level_note: ClassVar[str] = token_level_note("DPPO", "bounds a per-token divergence between p and p_old")
 
     divergence: str = "tv"
     delta_low: float | None = None

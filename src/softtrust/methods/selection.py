@@ -21,10 +21,10 @@ from typing import ClassVar
 import torch
 
 from softtrust._validation import check_number
-from softtrust.methods.base import LossContext, Method, MethodOutput, register_method
+from softtrust.methods.base import LossContext, Method, MethodOutput, register_method, token_level_note
 from softtrust.methods.trust_region import clipped_surrogate
 
-_TOKEN_NOTE = "{name} selects tokens by their own token ratio, so it is defined at the 'token' level only"
+__all__ = ["BAPO", "M2PO"]
 
 
 def m2po_threshold(second_moment: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
@@ -115,7 +115,13 @@ class M2PO(Method):
 
     name: ClassVar[str] = "m2po"
     levels: ClassVar[tuple[str, ...]] = ("token",)
-    level_note: ClassVar[str] = _TOKEN_NOTE.format(name="M2PO")
+    level_note: ClassVar[str] = token_level_note("M2PO", "selects tokens by their own token ratio")
+    supports_proximal: ClassVar[bool] = False
+    proximal_note: ClassVar[str] = (
+        "M2PO computes d = log pi_old - log pi_prox with old = the behaviour policy; the decoupled "
+        "objective sets old = pi_prox, so d = 0 and nothing would be masked (M2PO's second-moment "
+        "mask is its own off-policy treatment)"
+    )
 
     tau: float = 0.04
 
@@ -191,7 +197,9 @@ class BAPO(Method):
 
     name: ClassVar[str] = "bapo"
     levels: ClassVar[tuple[str, ...]] = ("token",)
-    level_note: ClassVar[str] = "BAPO's bounds are searched on token ratios (the paper's objective)"
+    level_note: ClassVar[str] = token_level_note(
+        "BAPO", "searches its bounds on token ratios (the paper's objective)"
+    )
 
     target: float = 0.4
     low_start: float = 0.6

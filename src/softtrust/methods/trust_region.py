@@ -12,7 +12,16 @@ from typing import ClassVar
 import torch
 
 from softtrust._validation import check_number
-from softtrust.methods.base import LossContext, Method, MethodOutput, choose, register_method
+from softtrust.methods.base import (
+    LossContext,
+    Method,
+    MethodOutput,
+    choose,
+    register_method,
+    token_level_note,
+)
+
+__all__ = ["CFPO", "DRO", "GMPO", "GSPO", "PSPO", "SAPO", "Clip"]
 
 # the levels of a method whose ratio sits in the graph: token, GSPO's mean, and GSPO-token
 _RATIO_LEVELS = ("token", "sequence-mean", "sequence-mean-token")
@@ -33,8 +42,9 @@ def clipped_surrogate(
 ) -> MethodOutput:
     """The PPO clipped surrogate ``ℓ = -min(r̃·A, clip(r, low, high)·A)`` with ``r̃ = unclipped or r``.
 
-    The one place the clip is written: :class:`Clip` (``low = 1-ε_low``, ``high = 1+ε_high``)
-    and :class:`~softtrust.methods.selection.BAPO` (bounds searched per batch, 0-dim tensors)
+    The one place the clip is written: :class:`Clip` (``low = 1-ε_low``, ``high = 1+ε_high``),
+    :class:`~softtrust.methods.covariance.ClipCov` (the same bounds, some tokens zeroed) and
+    :class:`~softtrust.methods.selection.BAPO` (bounds searched per batch, 0-dim tensors)
     call it. Stats: ``clip/low`` is ``r < low and A < 0``, ``clip/high`` is ``r > high and
     A > 0`` (the tokens whose gradient the clip zeroes).
 
@@ -262,6 +272,9 @@ class GMPO(Method):
     default_level: ClassVar[str] = "sequence-mean"
     levels: ClassVar[tuple[str, ...]] = ("sequence-mean",)
     level_note: ClassVar[str] = "GMPO is defined on the geometric mean of clipped token ratios"
+    engine_token_weights: ClassVar[str] = (
+        "geometric-mean"  # its ratio is a geometric mean: so are the weights
+    )
 
     eps: float = 0.4
 
@@ -305,7 +318,7 @@ class DRO(Method):
 
     name: ClassVar[str] = "dro"
     levels: ClassVar[tuple[str, ...]] = ("token",)
-    level_note: ClassVar[str] = "DRO penalises each token's log-ratio"
+    level_note: ClassVar[str] = token_level_note("DRO", "penalises each token's log-ratio")
 
     beta: float = 0.5
 

@@ -356,11 +356,9 @@ class TrainConfig:
             "worker's); in sync mode use --proximal none",
         )
         need(
-            self.proximal == "none" or self.method != "m2po",
+            self.proximal == "none" or METHODS[self.method].supports_proximal,
             "proximal",
-            "M2PO computes d = log pi_old - log pi_prox with old = the behaviour policy; the decoupled "
-            "objective sets old = pi_prox, so d = 0 and nothing would be masked. Use --proximal none with "
-            "m2po (its second-moment mask is its own off-policy treatment)",
+            f"{METHODS[self.method].proximal_note}; use --proximal none",
         )
         need(
             self.proximal == "none" or not self.micro_batch_size,
