@@ -20,11 +20,11 @@ import time
 import torch
 
 from softtrust.train.config import TrainConfig
-from softtrust.train.learner import build_optimizer, policy_update
+from softtrust.train.distributed import World
+from softtrust.train.learner import Learner, build_optimizer
 from softtrust.train.loss_config import build_method_loss
 from softtrust.train.rollout import ProblemSampler, RewardScorer, generate_rollout, group_uniforms
 from softtrust.train.staleness import MiniBatch
-from softtrust.train.state import TrainState
 from softtrust.train.tasks import build_task
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
@@ -70,11 +70,11 @@ def main() -> None:
             config = base.replace(proximal=mode)
             model.load_state_dict(start)
             optimizer, scheduler = build_optimizer(model, config)
-            state = TrainState(None, None, None)
-            began = time.perf_counter()
-            policy_update(
-                model, optimizer, scheduler, build_method_loss(config), minibatch, None, config, state
+            learner = Learner(
+                model, model, optimizer, scheduler, World(), [], [], build_method_loss(config), config
             )
+            began = time.perf_counter()
+            learner.update(minibatch)
             if repeat:
                 times[mode].append(time.perf_counter() - began)
     rows = batch.input_ids.shape[0]

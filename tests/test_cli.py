@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from softtrust.cli import build_parser, main
-from softtrust.train.config import TrainConfig, config_from_arguments
+from softtrust.train.config import TrainConfig
 from softtrust.train.loss_config import build_method_loss
+from softtrust.train.options import config_from_arguments
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 torch.set_num_threads(1)

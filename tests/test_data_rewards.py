@@ -281,10 +281,10 @@ def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed:
         rollout_logprobs=torch.zeros(rows, width),
         rewards=torch.zeros(rows),
     )
-    from softtrust.train.rollout import sequence_logprobs
+    from softtrust.train.scoring import completion_logprobs_of
 
     with torch.no_grad():
-        current = sequence_logprobs(model, input_ids, attention_mask, width)
+        current = completion_logprobs_of(model, input_ids, attention_mask, width).logprobs
     # ratios spread around 1 (log-ratio noise 0.3): clipping and selections act on some tokens
     old = (current + 0.3 * torch.randn(rows, width, generator=generator)) * completion_mask
     advantages = torch.randn(rows, generator=generator)
@@ -304,11 +304,10 @@ def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed:
 def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(
     micro_model_dir, tmp_path, method, aggregation
 ):
-    from types import SimpleNamespace
-
     from transformers import AutoModelForCausalLM
 
-    from softtrust.train.learner import policy_update
+    from softtrust.train.distributed import World
+    from softtrust.train.learner import Learner
     from softtrust.train.loss_config import build_method_loss
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
@@ -320,10 +319,10 @@ def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put: compare gradients
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        state = SimpleNamespace(step=1, nonfinite_in_a_row=0, nonfinite_skips=0)
-        metrics = policy_update(
-            model, optimizer, scheduler, build_method_loss(config), minibatch, None, config, state
+        learner = Learner(
+            model, model, optimizer, scheduler, World(), [], [], build_method_loss(config), config
         )
+        metrics = learner.update(minibatch)
         assert metrics["skipped"] == 0
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         losses.append(metrics["loss"])
@@ -375,7 +374,8 @@ def test_shared_prompt_prefill_samples_what_a_prefill_per_row_does(micro_model_d
 def test_truncated_sampling_is_scored_by_the_learner_as_sampled(micro_model_dir, top_k, top_p):
     from transformers import AutoModelForCausalLM
 
-    from softtrust.train.rollout import generate_rollout, group_uniforms, sequence_logprobs
+    from softtrust.train.rollout import generate_rollout, group_uniforms
+    from softtrust.train.scoring import Scoring, completion_logprobs_of
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
     tokenizer = build_char_tokenizer()
@@ -393,10 +393,10 @@ def test_truncated_sampling_is_scored_by_the_learner_as_sampled(micro_model_dir,
         top_p=top_p,
     )
     mask = batch.completion_mask.bool()
-    args = (batch.input_ids, batch.attention_mask, batch.completion_length, 1.0)
+    args = (batch.input_ids, batch.attention_mask, batch.completion_length)
     with torch.no_grad():
-        truncated = sequence_logprobs(model, *args, top_k=top_k, top_p=top_p)
-        full = sequence_logprobs(model, *args)
+        truncated = completion_logprobs_of(model, *args, Scoring(top_k=top_k, top_p=top_p)).logprobs
+        full = completion_logprobs_of(model, *args).logprobs
     # the learner scores the truncated policy the sampler drew from: on-policy ratio 1
     assert float((truncated - batch.rollout_logprobs)[mask].abs().max()) < 1e-4
     assert float((full - batch.rollout_logprobs)[mask].abs().max()) > 1e-2  # the full softmax would not

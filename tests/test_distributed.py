@@ -295,7 +295,7 @@ class _TwoRanks(World):
 def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
     """Two ranks' shares with different padded lengths give the whole batch's state."""
     import softtrust as st
-    from softtrust.train.learner import global_batch_state
+    from softtrust.train.learner import BatchTensors, global_batch_state
 
     generator = torch.Generator().manual_seed(3)
     logprobs = -torch.rand(8, 5, generator=generator, dtype=torch.float64) * 2
@@ -305,14 +305,10 @@ def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
     mask = (torch.arange(5) < lengths[:, None]).double()
     loss_fn = st.PolicyLoss(method, **params)
     whole = loss_fn.batch_state(logprobs, old, advantages, mask, generator=torch.Generator().manual_seed(7))
-    rank1 = (logprobs[4:, :3], old[4:, :3], None, mask[4:, :3], advantages[4:])
+    rank1 = BatchTensors(logprobs[4:, :3], old[4:, :3], advantages[4:], mask[4:, :3], None)
     state = global_batch_state(
         loss_fn,
-        logprobs[:4],
-        old[:4],
-        advantages[:4],
-        mask[:4],
-        None,
+        BatchTensors(logprobs[:4], old[:4], advantages[:4], mask[:4], None),
         _TwoRanks(rank1),
         torch.Generator().manual_seed(7),
     )

@@ -486,8 +486,9 @@ def test_behaviour_forward_runs_the_learners_micro_batches_bit_for_bit(tiny_lm, 
     """The trainer's behaviour log-probs equal the learner's, piece by piece, exactly: lag-0 ratios
     stay 1 even when a micro-batch splits a group (where a row's shared prompt runs in another
     batch shape than over the whole mini-batch; here that moves log-probs by ~5e-7)."""
-    from softtrust.train.rollout import RolloutBatch, sequence_logprobs
-    from softtrust.train.staleness import behaviour_logprobs, row_pieces
+    from softtrust.train.rollout import RolloutBatch
+    from softtrust.train.scoring import Scoring, completion_logprobs_of, row_pieces
+    from softtrust.train.staleness import behaviour_logprobs
 
     tokenizer, model = tiny_lm
     input_ids, attention_mask, _ = grouped_batch(tokenizer, keep=4, group=4)
@@ -498,12 +499,12 @@ def test_behaviour_forward_runs_the_learners_micro_batches_bit_for_bit(tiny_lm, 
         rollout_logprobs=torch.zeros(8, 4),
         rewards=torch.zeros(8),
     )
-    behaviour = behaviour_logprobs(model, batch, 1.0, micro_batch_size=micro_batch_size)
+    behaviour = behaviour_logprobs(model, batch, Scoring(), micro_batch_size=micro_batch_size)
     assert not behaviour.requires_grad  # no autograd graph in the rollout's forward
     with torch.no_grad():
         learner = torch.cat(
             [
-                sequence_logprobs(model, input_ids[rows], attention_mask[rows], 4)
+                completion_logprobs_of(model, input_ids[rows], attention_mask[rows], 4).logprobs
                 for rows in row_pieces(8, micro_batch_size)
             ]
         )

@@ -15,7 +15,8 @@ import torch
 
 from softtrust.cli import main
 from softtrust.train.checkpoint import find_checkpoint
-from softtrust.train.config import TrainConfig, load_resume_config
+from softtrust.train.config import TrainConfig
+from softtrust.train.options import load_resume_config
 from softtrust.train.runlog import default_run_directory
 from softtrust.train.trainer import train
 from test_train import micro_config, model_parameters, read_metrics, write_micro_model

@@ -17,11 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import softtrust as st
 from softtrust.train import checkpoint as checkpoint_module
 from softtrust.train import staleness as staleness_module
 from softtrust.train import trainer as trainer_module
 from softtrust.train.checkpoint import find_checkpoint, load_checkpoint
-from softtrust.train.config import TrainConfig, load_resume_config
+from softtrust.train.config import TrainConfig
+from softtrust.train.learner import Learner
+from softtrust.train.options import load_resume_config
+from softtrust.train.scoring import completion_logprobs_of
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from softtrust.train.trainer import TrainingStopped, train
 
@@ -97,7 +101,7 @@ def test_staleness_four_means_four_steps_per_rollout_on_disjoint_minibatches(
 ):
     events = []
     real_behaviour = staleness_module.behaviour_logprobs
-    real_update = trainer_module.policy_update
+    real_update = Learner.update
 
     def counting_behaviour(*args, **kwargs):
         events.append("behaviour")
@@ -108,7 +112,7 @@ def test_staleness_four_means_four_steps_per_rollout_on_disjoint_minibatches(
         return real_update(*args, **kwargs)
 
     monkeypatch.setattr(staleness_module, "behaviour_logprobs", counting_behaviour)
-    monkeypatch.setattr(trainer_module, "policy_update", counting_update)
+    monkeypatch.setattr(Learner, "update", counting_update)
     config = micro_config(micro_model_dir, tmp_path / "run", staleness=4, max_steps=8, method="clip")
     train(config)
     metrics = read_metrics(tmp_path / "run")
@@ -165,24 +169,24 @@ def test_async_fixed_lag_schedule_bounds_lag_and_uses_generation_logprobs(
     micro_model_dir, tmp_path, monkeypatch
 ):
     seen = []
-    real_update = trainer_module.policy_update
+    real_update = Learner.update
 
-    def spy(model, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs):
+    def spy(learner, minibatch):
         # The behaviour log-probs are the worker's own, recorded while sampling ...
         assert minibatch.old_logprobs is minibatch.batch.rollout_logprobs
         # ... and they are the lagged weights' numbers, not the current learner's.
         with torch.no_grad():
-            current = trainer_module.sequence_logprobs(
-                model,
+            current = completion_logprobs_of(
+                learner.model,
                 minibatch.batch.input_ids,
                 minibatch.batch.attention_mask,
                 minibatch.batch.completion_length,
-            )
+            ).logprobs
         mask = minibatch.batch.completion_mask.bool()
         seen.append((minibatch.lag, float((current - minibatch.old_logprobs)[mask].abs().max())))
-        return real_update(model, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs)
+        return real_update(learner, minibatch)
 
-    monkeypatch.setattr(trainer_module, "policy_update", spy)
+    monkeypatch.setattr(Learner, "update", spy)
     config = micro_config(
         micro_model_dir, tmp_path / "run", mode="async", max_lag=2, lag_schedule=[0, 3, 1, 2], max_steps=8
     )
@@ -220,14 +224,16 @@ def test_async_worker_stays_within_max_lag_and_its_logprobs_are_those_of_the_ver
     from transformers import AutoModelForCausalLM
 
     weights, batches = {}, []
-    real_update = trainer_module.policy_update
+    real_update = Learner.update
 
-    def spy(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs):
-        weights[len(batches)] = {k: v.detach().clone() for k, v in policy.state_dict().items()}  # version s
+    def spy(learner, minibatch):
+        weights[len(batches)] = {
+            k: v.detach().clone() for k, v in learner.policy.state_dict().items()
+        }  # version s
         batches.append(minibatch)
-        return real_update(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs)
+        return real_update(learner, minibatch)
 
-    monkeypatch.setattr(trainer_module, "policy_update", spy)
+    monkeypatch.setattr(Learner, "update", spy)
     config = micro_config(micro_model_dir, tmp_path / "run", mode="async", max_lag=1, max_steps=8)
     train(config)
     metrics = read_metrics(tmp_path / "run")
@@ -303,21 +309,16 @@ def test_loglinear_alpha_at_known_versions():
 
 def recording_loss(monkeypatch, calls: list):
     """Make the trainer's loss record what it is called with (and its loss)."""
-    real_build = trainer_module.build_method_loss
+    real_call = st.PolicyLoss.__call__
 
-    def build(config):
-        loss_fn = real_build(config)
+    def recorded(loss_fn, logprobs, old, advantages, mask, **kwargs):
+        out = real_call(loss_fn, logprobs, old, advantages, mask, **kwargs)
+        calls.append(
+            (logprobs.detach(), old, advantages, mask, kwargs["rollout_logprobs"], out.loss.detach())
+        )
+        return out
 
-        def recorded(logprobs, old, advantages, mask, **kwargs):
-            out = loss_fn(logprobs, old, advantages, mask, **kwargs)
-            calls.append(
-                (logprobs.detach(), old, advantages, mask, kwargs["rollout_logprobs"], out.loss.detach())
-            )
-            return out
-
-        return recorded
-
-    monkeypatch.setattr(trainer_module, "build_method_loss", build)
+    monkeypatch.setattr(st.PolicyLoss, "__call__", recorded)
 
 
 def test_decoupled_objective_is_the_behaviour_weighted_policy_gradient(
@@ -393,7 +394,8 @@ def test_process_killed_during_save_leaves_previous_checkpoint_loadable(micro_mo
         f"""
         import os, torch
         from softtrust.train import checkpoint
-        from softtrust.train.config import TrainConfig, load_resume_config
+        from softtrust.train.config import TrainConfig
+        from softtrust.train.options import load_resume_config
         from softtrust.train.trainer import train
 
         real_save, calls = torch.save, []
@@ -443,19 +445,14 @@ def test_checkpoint_loads_with_weights_only(micro_model_dir, tmp_path):
 def test_nonfinite_losses_are_skipped_then_stop_with_a_loadable_checkpoint(
     micro_model_dir, tmp_path, monkeypatch
 ):
-    real_build = trainer_module.build_method_loss
+    real_call = st.PolicyLoss.__call__
 
-    def poisoned_build(config):
-        loss_fn = real_build(config)
+    def poisoned(loss_fn, logprobs, *args, **kwargs):
+        out = real_call(loss_fn, logprobs, *args, **kwargs)
+        out.loss = out.loss * float("nan")
+        return out
 
-        def poisoned(logprobs, *args, **kwargs):
-            out = loss_fn(logprobs, *args, **kwargs)
-            out.loss = out.loss * float("nan")
-            return out
-
-        return poisoned
-
-    monkeypatch.setattr(trainer_module, "build_method_loss", poisoned_build)
+    monkeypatch.setattr(st.PolicyLoss, "__call__", poisoned)
     config = micro_config(micro_model_dir, tmp_path / "run", max_steps=10, max_nonfinite=3)
     before = model_parameters_from_dir(micro_model_dir)
     with pytest.raises(TrainingStopped, match="3 non-finite"):
@@ -500,13 +497,13 @@ def test_rewards_are_the_task_reward_of_the_decoded_completions_and_failures_sco
     )
     tokenizer = build_char_tokenizer()
     batches = []
-    real_update = trainer_module.policy_update
+    real_update = Learner.update
 
-    def spy(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs):
+    def spy(learner, minibatch):
         batches.append(minibatch.batch)
-        return real_update(policy, optimizer, scheduler, loss_fn, minibatch, *args, **kwargs)
+        return real_update(learner, minibatch)
 
-    monkeypatch.setattr(trainer_module, "policy_update", spy)
+    monkeypatch.setattr(Learner, "update", spy)
     # Random weights emit every character: completions start with every digit.
     config = micro_config(
         micro_model_dir,

@@ -12,7 +12,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from softtrust.train.config import add_config_arguments
+    from softtrust.train.options import add_config_arguments
 
     parser = argparse.ArgumentParser(
         prog="softtrust",
@@ -58,7 +58,7 @@ def add_sweep_parser(subcommands) -> None:
 
 
 def run_train(arguments: argparse.Namespace) -> int:
-    from softtrust.train.config import config_from_arguments
+    from softtrust.train.options import config_from_arguments
     from softtrust.train.trainer import TrainingStopped, train
 
     try:

@@ -155,6 +155,13 @@ class PolicyLoss:
             f"aggregation={self.aggregation!r}, kl={self.kl!r})"
         )
 
+    @property
+    def selects_over_batch(self) -> bool:
+        """True when the method selects over the whole mini-batch (``Method.batch_state``
+        overridden: M2PO, KL-Cov, Clip-Cov, BAPO): a trainer that splits the mini-batch passes
+        the whole batch's ``state=``."""
+        return self._has_batch_state
+
     def __call__(
         self,
         logprobs: torch.Tensor,

@@ -84,7 +84,8 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell)."""
     import argparse
 
-    from softtrust.train.config import add_config_arguments, config_from_arguments, load_yaml_mapping
+    from softtrust.train.options import add_config_arguments, config_from_arguments
+    from softtrust.train.values import load_yaml_mapping
 
     train_parser = argparse.ArgumentParser(prog="softtrust sweep", add_help=False, allow_abbrev=False)
     add_config_arguments(train_parser)

@@ -7,7 +7,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from softtrust.train.config import TrainConfig, parse_key_values
+from softtrust.train.config import TrainConfig
+from softtrust.train.loss_config import build_method_loss
+from softtrust.train.values import parse_key_values
 
 # The fields that a sweep sets per cell: shared overrides may not set them.
 AXIS_FIELDS = ("method", "method_params", "level", "staleness", "seed", "output_dir", "resume", "config")
@@ -213,7 +215,7 @@ class Sweep:
         if self.mode == "sync" and any(n < 1 for n in self.staleness):
             raise ValueError(f"staleness: N must be >= 1 (got {self.staleness})")
         for cell in self.cells():
-            self.cell_config(cell).validate()  # a bad method spec fails before any run
+            build_method_loss(self.cell_config(cell).validate())  # a bad method spec fails before any run
         if self.jobs < 1:
             raise ValueError(f"jobs: must be >= 1 (got {self.jobs})")
         _ = self.reference_method  # raises for a --reference that is not a method of the sweep

@@ -1,4 +1,5 @@
-"""The trainer's configuration: one dataclass (YAML and command-line parsing in ``options.py``).
+"""The trainer's configuration: one dataclass (its values read by ``values.py``; the command line
+and resuming in ``options.py``, which builds on this module, never the reverse).
 
 Every field carries its help text in its metadata; ``softtrust train --help`` is built
 from them, so the documentation cannot drift from the code. Precedence: field default
@@ -20,18 +21,7 @@ from softtrust.aggregation import AGGREGATIONS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
-# The YAML / command-line side (options.py) imports this module only inside its functions;
-# its names stay importable from here.
-from .options import (
-    _coerce,
-    add_config_arguments,
-    check_field_value,
-    config_from_arguments,
-    load_resume_config,
-    load_yaml_mapping,
-    parse_key_values,
-    resume_config,
-)
+from .values import check_field_value, coerce, load_yaml_mapping
 
 MODES = ("sync", "async")
 PROXIMAL = ("none", "recompute", "loglinear")
@@ -319,7 +309,7 @@ class TrainConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"config: unknown field(s) {unknown}; known fields: {sorted(names)}")
-        return cls(**{key: _coerce(cls, key, value) for key, value in values.items()})
+        return cls(**{key: coerce(cls, key, value) for key, value in values.items()})
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
@@ -393,9 +383,6 @@ class TrainConfig:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
-        from .loss_config import build_method_loss
-
-        build_method_loss(self)  # unknown method parameters, levels or corrections fail here
         return self
 
     @property
@@ -457,12 +444,6 @@ RESUMABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.me
 __all__ = [
     "RESUMABLE_FIELDS",
     "TrainConfig",
-    "add_config_arguments",
     "check_causal_lm_directory",
-    "config_from_arguments",
-    "load_resume_config",
-    "load_yaml_mapping",
-    "parse_key_values",
     "resolve_device",
-    "resume_config",
 ]

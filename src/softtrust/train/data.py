@@ -17,6 +17,8 @@ from pathlib import Path
 
 from softtrust._optional import require
 
+from .problem import Problem
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -161,7 +163,6 @@ def problems_from_records(
     Every record must have the prompt column, and the answer column when ``need_answer``
     (the built-in rewards compare with it); prompts must be all strings or all conversations.
     """
-    from .tasks import Problem
 
     problems, kind = [], None
     for where, record in records:

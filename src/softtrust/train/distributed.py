@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from softtrust._metrics import reduction_of
 
-from .rollout import sequence_logprobs
+from .scoring import UNTRUNCATED, Scoring, completion_logprobs_of
 
 
 @dataclass
@@ -221,7 +221,7 @@ class PolicyForward(torch.nn.Module):
     """The module that DDP or FSDP2 wraps around a causal LM.
 
     ``forward(input_ids, attention_mask, completion_length=K)`` returns the learner's
-    ``[B, K]`` completion log-probs (``rollout.sequence_logprobs``); without
+    ``[B, K]`` completion log-probs (``scoring.completion_logprobs_of``); without
     ``completion_length`` it is the causal LM's own forward (a generation step).
     """
 
@@ -236,14 +236,13 @@ class PolicyForward(torch.nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         completion_length: int | None = None,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        scoring: Scoring = UNTRUNCATED,
+        with_entropy: bool = False,
         **step_kwargs,
     ):
         if completion_length is not None:
-            return sequence_logprobs(
-                self.model, input_ids, attention_mask, completion_length, temperature, top_k, top_p
+            return completion_logprobs_of(
+                self.model, input_ids, attention_mask, completion_length, scoring, with_entropy
             )
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **step_kwargs)
 
@@ -274,30 +273,6 @@ def wrap_policy(model: torch.nn.Module, world: World) -> torch.nn.Module:
 
     device_ids = [world.local_rank] if world.device.type == "cuda" else None
     return DistributedDataParallel(policy, device_ids=device_ids)
-
-
-def policy_logprobs(
-    policy: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    completion_length: int,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> torch.Tensor:
-    """The learner's ``[B, T]`` completion log-probs through ``policy`` (``wrap_policy``'s
-    result): through the DDP / FSDP2 wrapper's forward, or plainly for one process; with
-    ``top_k``/``top_p`` those of the truncated sampling policy."""
-    if getattr(getattr(policy, "module", policy), "wraps_causal_lm", False):
-        return policy(
-            input_ids,
-            attention_mask,
-            completion_length=completion_length,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
-    return sequence_logprobs(policy, input_ids, attention_mask, completion_length, temperature, top_k, top_p)
 
 
 def generation_model(policy: torch.nn.Module, model: torch.nn.Module, world: World) -> torch.nn.Module:

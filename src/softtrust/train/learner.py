@@ -1,4 +1,13 @@
-"""The learner: the model as trained (plain, DDP or FSDP2), one policy-gradient update, evaluation."""
+"""The learner: the model as trained (plain, DDP or FSDP2), one policy-gradient update, evaluation.
+
+``Learner.update(minibatch)`` reads like the algorithm::
+
+    log-probs -> (pi_prox, reference) -> loss per micro-batch -> backward -> guard -> step
+
+with named helpers for the loss inputs (``loss_inputs``), a batch-wide method's state
+(``batch_state``), the metrics (``update_metrics``) and the optimizer step
+(``optimizer_step``). Every log-prob goes through ``scoring.completion_logprobs_of``.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +15,80 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 import softtrust as st
 from softtrust._metrics import reduction_of
+from softtrust.loss import PolicyLoss
 
 from .config import TrainConfig
-from .distributed import World, full_model_state, full_tensor, policy_logprobs
-from .rollout import greedy_accuracy, sequence_logprobs
-from .staleness import MiniBatch, row_pieces
+from .distributed import World, full_model_state, full_tensor
+from .rollout import greedy_accuracy
+from .scoring import Scoring, completion_logprobs_of, row_pieces
+from .staleness import MiniBatch
+
+
+class UpdateBatch(NamedTuple):
+    """A mini-batch as the update reads it, on the learner's device (this rank's rows)."""
+
+    input_ids: torch.Tensor  # [b, L] prompt + completion
+    attention_mask: torch.Tensor  # [b, L]
+    mask: torch.Tensor  # [b, T] the completion tokens
+    advantages: torch.Tensor  # [b]
+    old_logprobs: torch.Tensor | None  # [b, T] behaviour log-probs; None on-policy (sync N = 1)
+    rollout_logprobs: torch.Tensor | None  # [b, T] the sampler's, kept for a correction
+    sampler_logprobs: torch.Tensor  # [b, T] the sampler's, always recorded (on the CPU: kl_mismatch)
+    completion_length: int  # T
+    policy_version: int  # the version of the weights that sampled the rows
+    lag: int  # the learner's step minus policy_version
+
+    @classmethod
+    def of(cls, minibatch: MiniBatch, device: torch.device) -> UpdateBatch:
+        batch = minibatch.batch
+
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        return cls(
+            batch.input_ids.to(device),
+            batch.attention_mask.to(device),
+            batch.completion_mask.to(device),
+            minibatch.advantages.to(device),
+            moved(minibatch.old_logprobs),
+            moved(minibatch.rollout_logprobs),
+            batch.rollout_logprobs,
+            batch.completion_length,
+            batch.policy_version,
+            minibatch.lag,
+        )
+
+
+class LossInputs(NamedTuple):
+    """What the loss takes for one micro-batch besides the current log-probs."""
+
+    old_logprobs: torch.Tensor  # [b, T] pi_old: the behaviour mu, or pi_prox (decoupled objective)
+    rollout_logprobs: torch.Tensor | None  # [b, T] the correction's denominator (the sampler's mu)
+    ref_logprobs: torch.Tensor | None  # [b, T] the KL reference's
+
+
+class BatchTensors(NamedTuple):
+    """The whole mini-batch (every rank's rows) a batch-wide method's state is computed from:
+    ``[b, T]`` tensors except ``advantages`` ``[b]``; ``mask`` as the loss's dtype."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    rollout_logprobs: torch.Tensor | None
 
 
 @dataclass
 class Learner:
-    """The model as the learner holds it: the plain causal LM, the wrapped forward (DDP or
-    FSDP2 under torchrun), the optimizer and scheduler, and this process's ``World``."""
+    """The model as the learner holds it and the update it takes: the plain causal LM, the wrapped
+    forward (DDP or FSDP2 under torchrun), the optimizer and scheduler, the loss, the KL
+    reference (or None) and this process's ``World``."""
 
     model: torch.nn.Module
     policy: torch.nn.Module
@@ -30,6 +97,166 @@ class Learner:
     world: World
     kept_names: list[str]
     pretrained_names: list[str]
+    loss_fn: PolicyLoss
+    config: TrainConfig
+    reference: torch.nn.Module | None = None
+
+    def update(self, minibatch: MiniBatch) -> dict:
+        """One optimizer step on ``minibatch``; returns its metrics (``skipped`` = 1 when a
+        non-finite loss or gradient skipped it).
+
+        Under ``torchrun`` the mini-batch is this rank's share; the loss uses the global
+        normalisers (tokens and rows summed over ranks) and is multiplied by the world size,
+        because DDP and FSDP2 average gradients over ranks: the update equals one process's.
+        """
+        started = time.perf_counter()
+        batch = UpdateBatch.of(minibatch, next(self.policy.parameters()).device)
+        pieces = row_pieces(batch.mask.shape[0], self.config.micro_batch_size)
+        normalisers = self.normalisers(batch, len(pieces))
+        if self.config.gradient_checkpointing:
+            checkpoint_layers(self.policy)
+        self.optimizer.zero_grad(set_to_none=True)
+        state, results, finite = None, [], True
+        for index, rows in enumerate(pieces):
+            logprobs = self.logprobs(self.policy, batch, rows)  # [b, T], differentiable
+            inputs = self.loss_inputs(batch, rows, logprobs)  # pi_old (or pi_prox), mu, reference
+            if index == 0:
+                state = self.batch_state(batch, pieces, logprobs, inputs)
+            out = self.loss_fn(
+                logprobs,
+                inputs.old_logprobs,
+                batch.advantages[rows],
+                batch.mask[rows],
+                rollout_logprobs=inputs.rollout_logprobs,
+                ref_logprobs=inputs.ref_logprobs,
+                state=state,
+                **normalisers,
+            )
+            results.append((logprobs.detach(), out, float(batch.mask[rows].sum())))
+            finite = self.world.all_true(bool(torch.isfinite(out.loss)))  # every rank updates, or none
+            if not finite:
+                break
+            with no_gradient_sync(self.policy, last=index == len(pieces) - 1):
+                (out.loss * self.world.size).backward()  # DDP / FSDP2 average over ranks: P x mean = sum
+        metrics = self.update_metrics(batch, results)
+        metrics.update(self.optimizer_step(finite))
+        metrics["time/update"] = time.perf_counter() - started
+        return metrics
+
+    # ------------------------------------------------------------------ the update's pieces
+    @property
+    def scoring(self) -> Scoring:
+        """The sampler's (truncated) policy, which the learner scores."""
+        return Scoring(self.config.temperature, self.config.top_k, self.config.top_p)
+
+    def logprobs(
+        self, model: torch.nn.Module, batch: UpdateBatch, rows: slice, scoring: Scoring | None = None
+    ):
+        """``[b, T]`` completion log-probs of ``batch``'s ``rows`` under ``model`` (the policy, a
+        proximal snapshot or the reference), scored as the sampler's policy unless ``scoring``."""
+        width = batch.completion_length
+        return completion_logprobs_of(
+            model, batch.input_ids[rows], batch.attention_mask[rows], width, scoring or self.scoring
+        ).logprobs
+
+    def normalisers(self, batch: UpdateBatch, pieces: int) -> dict:
+        """The whole mini-batch's token and row counts (every rank's), so that the pieces' losses
+        sum to its loss; empty for one piece in one process (the loss counts them itself)."""
+        if not (self.world.distributed or pieces > 1):
+            return {}
+        return {
+            "num_tokens": self.world.sum(batch.mask.sum()),
+            "num_sequences": self.world.sum(batch.mask.shape[0]),
+        }
+
+    def loss_inputs(self, batch: UpdateBatch, rows: slice, logprobs: torch.Tensor) -> LossInputs:
+        """pi_old, the sampler's log-probs and the reference's for ``rows``.
+
+        On-policy (sync, N = 1) the behaviour log-probs are the learner's own: ratio = 1 exactly.
+        With ``--proximal`` (the decoupled objective, AReaL): pi_old = pi_prox
+        (``proximal_logprobs``) and the sampler's log-probs are the behaviour mu, so the loss's
+        IS correction weighs pi_prox/mu. The reference is scored untruncated (a truncated
+        reference would put -inf on tokens outside its own support)."""
+        old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs[rows]
+        rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs[rows]
+        if self.config.proximal != "none":  # one piece: the config refuses --proximal with micro-batches
+            old, rollout = self.proximal_logprobs(batch, logprobs, old), old
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = self.logprobs(self.reference, batch, rows, Scoring(self.config.temperature))
+        return LossInputs(old, rollout, reference)
+
+    def proximal_logprobs(
+        self, batch: UpdateBatch, logprobs: torch.Tensor, behaviour: torch.Tensor
+    ) -> torch.Tensor:
+        """``[b, T]`` log pi_prox for the decoupled objective (AReaL, arXiv 2505.24298).
+
+        ``recompute``: a no-grad forward of the current policy (the weights before this update),
+        scored like the policy. ``loglinear``: ``mu + alpha (sg(log pi_theta) - mu)`` with alpha from
+        :func:`loglinear_alpha` (v_mu = step - lag, v_prox = v_theta = step), no forward; with one
+        optimizer step per batch alpha = 1 and the value equals ``recompute``'s."""
+        if self.config.proximal == "recompute":
+            with torch.no_grad():
+                return self.logprobs(self.policy, batch, slice(None))
+        return behaviour + proximal_alpha(batch) * (logprobs.detach() - behaviour)
+
+    def batch_state(
+        self, batch: UpdateBatch, pieces: list[slice], logprobs: torch.Tensor, inputs: LossInputs
+    ) -> dict | None:
+        """A batch-wide method's state (M2PO, KL-Cov, Clip-Cov, BAPO) from the whole mini-batch,
+        every rank's rows (``global_batch_state``); None for other methods. One piece: its own
+        log-probs and loss inputs; several: every row's current log-probs from a no-grad pass."""
+        if not self.loss_fn.selects_over_batch:
+            return None
+        old, rollout = inputs.old_logprobs, inputs.rollout_logprobs
+        if len(pieces) > 1:
+            with torch.no_grad():
+                logprobs = torch.cat([self.logprobs(self.policy, batch, rows) for rows in pieces])
+            old = logprobs if batch.old_logprobs is None else batch.old_logprobs
+            rollout = batch.rollout_logprobs
+        tensors = BatchTensors(logprobs.detach(), old, batch.advantages, batch.mask, rollout)
+        step = batch.policy_version + batch.lag  # the learner's step
+        generator = torch.Generator().manual_seed(step_seed(self.config.seed, step))
+        return global_batch_state(self.loss_fn, tensors, self.world, generator)
+
+    def update_metrics(self, batch: UpdateBatch, results: list) -> dict:
+        """The loss metrics of the whole mini-batch (micro-batches combined, ranks reduced), the loss,
+        the KL of the behaviour policy to the current one and, in sync mode, the train/inference
+        mismatch (the sampler's numbers against the trainer's for the same policy)."""
+        world = self.world
+        pieces = [(out.metric_values(), tokens) for _, out, tokens in results]
+        metrics = {f"loss/{name}": value for name, value in combine_metrics(pieces).items()}
+        metrics = world.reduce_metrics(metrics, weight=float(batch.mask.sum()))
+        metrics["loss"] = world.sum(sum(out.loss.detach() for _, out, _ in results))
+        logprobs = torch.cat([detached for detached, _, _ in results])
+        rows = logprobs.shape[0]
+        old = logprobs if batch.old_logprobs is None else batch.old_logprobs[:rows]
+        metrics["kl_behaviour"] = behaviour_kl(logprobs, old, batch.mask[:rows], world)
+        if self.config.mode == "sync":  # async trains on the sampler's own numbers: nothing to compare
+            sampler = batch.sampler_logprobs[:rows].to(old.device)
+            metrics["kl_mismatch"] = behaviour_kl(old, sampler, batch.mask[:rows], world)
+        if self.config.proximal != "none":
+            metrics["proximal/alpha"] = proximal_alpha(batch)
+        return metrics
+
+    def optimizer_step(self, finite: bool) -> dict:
+        """Clip the gradient and step, unless the loss or the gradient norm is not finite (then the
+        gradient is dropped and ``skipped`` is 1)."""
+        metrics, grad_norm = {}, math.nan
+        if finite:
+            max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else math.inf
+            grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)))
+            metrics["grad_norm"] = grad_norm
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+            metrics["skipped"] = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics["skipped"] = 1
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
 
     def model_state(self, for_pretrained: bool = False) -> dict[str, torch.Tensor] | None:
         """The full weights to write under FSDP2 (rank 0; tied weights once, named as
@@ -49,7 +276,7 @@ def build_optimizer(model, config: TrainConfig):
     parameters = list(model.parameters())
     # one process: the fused kernel (one pass over each tensor), 5x faster than foreach on CPU
     # for a 135M model; under torchrun the default (its rounding differs slightly from
-    # fused, and the data-parallel tests hold ranks to one process's numbers at 1e-6)
+    # fused, and the data-parallel tests hold ranks to one process's numbers)
     fused = not torch.distributed.is_initialized() and all(type(p.data) is torch.Tensor for p in parameters)
     optimizer = torch.optim.AdamW(
         parameters, lr=config.lr, weight_decay=config.weight_decay, **({"fused": True} if fused else {})
@@ -61,140 +288,55 @@ def build_optimizer(model, config: TrainConfig):
     return optimizer, scheduler
 
 
-def policy_update(
-    policy,
-    optimizer,
-    scheduler,
-    loss_fn,
-    minibatch: MiniBatch,
-    reference,
-    config: TrainConfig,
-    state,
+def global_batch_state(
+    loss_fn: PolicyLoss,
+    tensors: BatchTensors,
     world: World | None = None,
-) -> dict:
-    """One optimizer step on ``minibatch`` (its rows, behaviour log-probs and advantages); a non-finite loss or
-    gradient skips it (counted in ``state.nonfinite_skips`` / ``nonfinite_in_a_row``).
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """``loss_fn.batch_state`` over the whole optimizer mini-batch: every rank's rows.
 
-    Under ``torchrun`` the mini-batch is this rank's share; the loss uses the global
-    normalisers (tokens and rows summed over ranks) and is multiplied by the world size,
-    because DDP and FSDP2 average gradients over ranks: the update equals one process's.
-    A method that selects over the batch gets ``state=`` from the whole mini-batch, every
-    rank's rows (``global_batch_state``). With ``config.proximal`` (async mode) the loss gets
-    the decoupled objective: ``old_logprobs`` = π_prox (``proximal_logprobs``) and
-    ``rollout_logprobs`` = the behaviour log-probs μ (the loss's IS correction weighs π_prox/μ).
+    One process: ``tensors`` as they are. Under ``torchrun``: every rank's ``BatchTensors``
+    (``[b, T_r]``, detached) are gathered in rank order (global row order), padded to the
+    longest ``T`` with masked zeros, and every rank computes the state from the same global
+    batch, so it is identical on all ranks and equal to one process's (up to the summation
+    order of KL-Cov's/Clip-Cov's means). This is exact for any method, whatever its statistic
+    (M2PO's cut needs every token's ``d²``; KL-Cov's and Clip-Cov's thresholds are order
+    statistics of the global batch; BAPO's sums could be all-reduced, but one gather serves
+    all). The gather moves ``4 b T`` numbers per rank, small next to the gradient all-reduce.
+
+    Args:
+        tensors: this rank's ``BatchTensors`` (``logprobs``: the current policy's, detached).
+        generator: for methods that draw (Clip-Cov); the same seed on every rank.
+
+    Returns:
+        The state (0-dim tensors) on ``tensors.logprobs``' device, for ``loss_fn(..., state=)``.
     """
-    started = time.perf_counter()
     world = world or World()
-    batch = minibatch.batch
-    device = next(policy.parameters()).device
-    input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    mask = batch.completion_mask.to(device)  # [b, T]
-    advantages = minibatch.advantages.to(device)
-    old_all = None if minibatch.old_logprobs is None else minibatch.old_logprobs.to(device)
-    rollout_all = None if minibatch.rollout_logprobs is None else minibatch.rollout_logprobs.to(device)
-    width, temperature = batch.completion_length, config.temperature
-    truncation = (config.top_k, config.top_p)  # the learner scores the sampler's truncated policy
-    if config.gradient_checkpointing:
-        checkpoint_layers(policy)
-    # --micro-batch-size: forward/backward in pieces of rows, gradients accumulated
-    pieces = row_pieces(mask.shape[0], config.micro_batch_size)
-    normalisers = {}
-    if (
-        world.distributed or len(pieces) > 1
-    ):  # the whole mini-batch's counts: the pieces' losses sum to its loss
-        normalisers = {"num_tokens": world.sum(mask.sum()), "num_sequences": world.sum(mask.shape[0])}
-    # whole-mini-batch quantities before the first piece's loss: a method's batch-wide state
-    # (every rank's rows) needs every row's current log-probs: with micro-batches, a no-grad pass
-    current = None
-    if has_batch_state(loss_fn) and len(pieces) > 1:
-        with torch.no_grad():
-            current = torch.cat(
-                [
-                    policy_logprobs(policy, input_ids[p], attention_mask[p], width, temperature, *truncation)
-                    for p in pieces
-                ]
-            )
-    batch_state, proximal_metrics = None, {}
-    optimizer.zero_grad(set_to_none=True)
-    total_loss, finite, detached, piece_metrics = 0.0, True, [], []
-    for index, rows in enumerate(pieces):
-        logprobs = policy_logprobs(
-            policy, input_ids[rows], attention_mask[rows], width, temperature, *truncation
-        )  # [b, T]
-        ref_logprobs = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_logprobs = sequence_logprobs(
-                    reference, input_ids[rows], attention_mask[rows], width, temperature
-                )
-        # on-policy (sync, N = 1) the behaviour log-probs are the learner's own: ratio = 1 exactly
-        old = logprobs.detach() if old_all is None else old_all[rows]
-        rollout = None if rollout_all is None else rollout_all[rows]
-        if config.proximal != "none":  # the decoupled objective: old = π_prox, sampler = the behaviour μ
-            behaviour = old  # one piece: the configuration refuses --proximal with --micro-batch-size
-            old, alpha = proximal_logprobs(
-                config.proximal, policy, batch, logprobs, behaviour, minibatch.lag, temperature
-            )
-            rollout, proximal_metrics = behaviour, {"proximal/alpha": alpha}
-        if batch_state is None and has_batch_state(loss_fn):  # M2PO, KL-Cov, Clip-Cov, BAPO
-            generator = torch.Generator().manual_seed(step_seed(config.seed, state.step))
-            whole = logprobs.detach() if current is None else current
-            batch_state = global_batch_state(
-                loss_fn,
-                whole,
-                old if current is None else (whole if old_all is None else old_all),
-                advantages,
-                mask,
-                rollout if current is None else rollout_all,
-                world,
-                generator,
-            )
-        out = loss_fn(
-            logprobs,
-            old,
-            advantages[rows],
-            mask[rows],
-            rollout_logprobs=rollout,
-            ref_logprobs=ref_logprobs,
-            state=batch_state,
-            **normalisers,
-        )
-        detached.append(logprobs.detach())
-        piece_metrics.append((out.metric_values(), float(mask[rows].sum())))
-        total_loss += out.loss.detach()
-        finite = world.all_true(bool(torch.isfinite(out.loss)))  # every rank updates, or none does
-        if not finite:
-            break
-        with no_gradient_sync(policy, last=index == len(pieces) - 1):
-            (out.loss * world.size).backward()  # DDP / FSDP2 average over ranks: P x mean = sum
-    logprobs = torch.cat(detached)
-    old_logprobs = logprobs if old_all is None else old_all[: logprobs.shape[0]]
-    metrics = {f"loss/{name}": value for name, value in combine_metrics(piece_metrics).items()}
-    metrics = world.reduce_metrics(metrics, weight=float(mask.sum()))
-    metrics["loss"] = world.sum(total_loss)
-    metrics["kl_behaviour"] = behaviour_kl(logprobs, old_logprobs, mask[: logprobs.shape[0]], world)
-    if config.mode == "sync":  # the train/inference mismatch: the sampler's numbers μ against the
-        # trainer's for the same policy (async trains on the sampler's own numbers: nothing to compare)
-        sampler = batch.rollout_logprobs[: logprobs.shape[0]].to(device)
-        metrics["kl_mismatch"] = behaviour_kl(old_logprobs, sampler, mask[: logprobs.shape[0]], world)
-    grad_norm = math.nan
-    if finite:
-        max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)))
-        metrics["grad_norm"] = grad_norm
-    if math.isfinite(grad_norm):
-        optimizer.step()
-        scheduler.step()
-        state.nonfinite_in_a_row = 0
-        metrics["skipped"] = 0
-    else:
-        optimizer.zero_grad(set_to_none=True)
-        state.nonfinite_skips += 1
-        state.nonfinite_in_a_row += 1
-        metrics["skipped"] = 1
-    metrics["lr"] = scheduler.get_last_lr()[0]
-    metrics["time/update"] = time.perf_counter() - started
-    return {**metrics, **proximal_metrics}
+    device = tensors.logprobs.device
+    if world.distributed:
+        local = tensors._replace(mask=tensors.mask.to(tensors.logprobs.dtype))
+        shares = world.gather_objects(BatchTensors(*(None if x is None else x.detach().cpu() for x in local)))
+        width = max(share.logprobs.shape[1] for share in shares)
+
+        def stacked(name: str) -> torch.Tensor | None:
+            parts = [getattr(BatchTensors(*share), name) for share in shares]
+            if parts[0] is None:
+                return None
+            if name != "advantages":  # [b, T_r] -> [b, T]: masked zeros on the right
+                parts = [torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts]
+            return torch.cat(parts).to(device)
+
+        tensors = BatchTensors(*(stacked(name) for name in BatchTensors._fields))
+    state = loss_fn.batch_state(
+        tensors.logprobs,
+        tensors.old_logprobs,
+        tensors.advantages,
+        tensors.mask,
+        tensors.rollout_logprobs,
+        generator=generator,
+    )
+    return {name: value.to(device) for name, value in state.items()}
 
 
 def loglinear_alpha(behaviour_version: int, proximal_version: int, current_version: int) -> float:
@@ -231,107 +373,17 @@ def loglinear_alpha(behaviour_version: int, proximal_version: int, current_versi
     return (proximal_version - behaviour_version) / (current_version - behaviour_version)
 
 
-def proximal_logprobs(
-    mode: str,
-    policy,
-    batch,
-    logprobs: torch.Tensor,
-    behaviour: torch.Tensor,
-    lag: int,
-    temperature: float,
-) -> tuple[torch.Tensor, float]:
-    """``([b, T] log π_prox, α)`` for the decoupled objective (AReaL, arXiv 2505.24298).
-
-    ``recompute``: a no-grad forward of the current policy (the weights before this update),
-    α reported as 1. ``loglinear``: ``μ + α·(sg(log π_θ) − μ)`` with α from
-    :func:`loglinear_alpha` (v_μ = step − lag, v_prox = v_θ = step), no forward; with one
-    optimizer step per batch α = 1 and the value equals ``recompute``'s (same forward, same
-    numbers). ``logprobs``: the learner's ``[b, T]`` forward (differentiable); ``behaviour``:
-    μ, ``[b, T]``.
-    """
-    if mode == "recompute":
-        device = logprobs.device
-        with torch.no_grad():
-            prox = policy_logprobs(
-                policy,
-                batch.input_ids.to(device),
-                batch.attention_mask.to(device),
-                batch.completion_length,
-                temperature,
-            )
-        return prox, 1.0
-    step = batch.policy_version + lag
-    alpha = loglinear_alpha(batch.policy_version, step, step)
-    return behaviour + alpha * (logprobs.detach() - behaviour), alpha
-
-
-def has_batch_state(loss_fn) -> bool:
-    """True when the loss's method selects over the batch (``Method.batch_state`` overridden);
-    False for a loss that is not a ``softtrust.PolicyLoss``."""
-    method = getattr(loss_fn, "method", None)
-    return isinstance(method, st.Method) and type(method).batch_state is not st.Method.batch_state
+def proximal_alpha(batch: UpdateBatch) -> float:
+    """The decoupled objective's alpha for ``batch``: ``loglinear_alpha`` with v_mu = the rows'
+    version and v_prox = v_theta = the learner's step (so 1; ``recompute`` reports the same)."""
+    step = batch.policy_version + batch.lag
+    return loglinear_alpha(batch.policy_version, step, step)
 
 
 def step_seed(seed: int, step: int) -> int:
     """The seed of step ``step``'s random draws in the loss (Clip-Cov's pick): a function of
     (run seed, step) only, so every rank, a resumed run and a rerun draw the same."""
     return (seed * 0x9E3779B1 + step) % 2**63
-
-
-def global_batch_state(
-    loss_fn,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    rollout_logprobs: torch.Tensor | None,
-    world: World | None = None,
-    generator: torch.Generator | None = None,
-) -> dict[str, torch.Tensor]:
-    """``loss_fn.batch_state`` over the whole optimizer mini-batch: every rank's rows.
-
-    One process: this batch. Under ``torchrun``: every rank's ``[b, T_r]`` log-probs
-    (detached), behaviour and sampler log-probs, advantages and mask are gathered in rank
-    order (global row order), padded to the longest ``T`` with masked zeros, and every rank
-    computes the state from the same global batch, so it is identical on all ranks and
-    equal to one process's (up to the summation order of KL-Cov's/Clip-Cov's means). This
-    is exact for any method, whatever its statistic (M2PO's cut needs every token's
-    ``d²``; KL-Cov's and Clip-Cov's thresholds are order statistics of the global batch;
-    BAPO's sums could be all-reduced, but one gather serves all). The gather moves
-    ``4 b T`` numbers per rank, small next to the gradient all-reduce.
-
-    Args:
-        logprobs: ``[b, T]`` the current policy's log-probs, detached (π_prox for M2PO).
-        old_logprobs, rollout_logprobs: ``[b, T]`` (rollout: or None).
-        advantages: ``[b]``. mask: ``[b, T]`` 0/1.
-        generator: for methods that draw (Clip-Cov); the same seed on every rank.
-
-    Returns:
-        The state (0-dim tensors) on ``logprobs``' device, for ``loss_fn(..., state=)``.
-    """
-    world = world or World()
-    if not world.distributed:
-        return loss_fn.batch_state(
-            logprobs, old_logprobs, advantages, mask, rollout_logprobs, generator=generator
-        )
-    device = logprobs.device
-    local = (logprobs, old_logprobs, rollout_logprobs, mask.to(logprobs.dtype), advantages)
-    shares = world.gather_objects(tuple(None if x is None else x.detach().cpu() for x in local))
-    width = max(share[0].shape[1] for share in shares)
-
-    def stacked(position: int) -> torch.Tensor | None:
-        if shares[0][position] is None:
-            return None
-        pad = (
-            (lambda x: x)
-            if position == 4
-            else (lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1])))
-        )
-        return torch.cat([pad(share[position]) for share in shares]).to(device)
-
-    every = [stacked(position) for position in range(5)]
-    state = loss_fn.batch_state(every[0], every[1], every[4], every[3], every[2], generator=generator)
-    return {name: value.to(device) for name, value in state.items()}
 
 
 def combine_metrics(pieces: list[tuple[dict, float]]) -> dict:

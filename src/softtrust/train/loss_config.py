@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .config import parse_key_values
+from .values import parse_key_values
 
 if TYPE_CHECKING:
     from .config import TrainConfig

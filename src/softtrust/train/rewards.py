@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tasks import Problem, exact_reward, numeric_reward
+from .problem import Problem
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -83,6 +83,20 @@ def math_reward(completion: str, answer: str) -> float:
     except ImportError:
         return float(extracted.strip() == answer.strip())
     return float(verify(parse(answer), parse("\\boxed{" + extracted + "}")))
+
+
+def exact_reward(completion: str, answer: str) -> float:
+    """1 if the completion equals the answer after stripping whitespace, else 0."""
+    return float(completion.strip() == answer.strip())
+
+
+def numeric_reward(completion: str, answer: str) -> float:
+    """1 if both parse as numbers and agree to 1e-6 (relative), else 0."""
+    try:
+        got, want = float(completion.strip()), float(answer.strip())
+    except ValueError:
+        return 0.0
+    return float(math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))
 
 
 BUILT_IN = {"exact": exact_reward, "numeric": numeric_reward, "math": math_reward}

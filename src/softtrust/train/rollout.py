@@ -13,6 +13,7 @@ token itself is a completion token.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import random
@@ -22,11 +23,10 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from softtrust._shared_prompt import cache_argument
-from softtrust.logprobs import completion_logprobs
 from softtrust.truncation import sample_truncated, truncated_log_softmax, truncates
 
+from .problem import Problem
 from .rewards import RewardScorer
-from .tasks import Problem
 
 
 @dataclass
@@ -273,7 +273,7 @@ def sample_completions(
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
     )
     tokens, masks, logprobs = [], [], []
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _no_autocast()
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     # G completions of one prompt are consecutive rows with the same prompt: the prefill runs
     # once per prompt and its KV cache is repeated G times (G x less prefill compute).
     shared = group_size > 1 and batch_size % group_size == 0 and all_finished is None
@@ -295,21 +295,8 @@ def sample_completions(
         if prefill_shared:
             cache.batch_repeat_interleave(group_size)
             logits = logits.repeat_interleave(group_size, 0)
-        if temperature > 0 and truncates(top_k, top_p, logits.shape[-1]):
-            log_probs = truncated_log_softmax(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            token, _ = sample_truncated(
-                logits,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                uniform=uniforms[:, position].to(device),
-            )
-        elif temperature > 0:
-            log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
-            token = inverse_cdf_sample(log_probs, uniforms[:, position].to(device))  # [B]
-        else:
-            log_probs = torch.log_softmax(logits, dim=-1)
-            token = logits.argmax(dim=-1)
+        uniform = None if temperature == 0 else uniforms[:, position].to(device)
+        token, log_probs = next_token(logits, temperature, top_k, top_p, uniform)  # [B], [B, V]
         active = ~finished
         token = torch.where(active, token, torch.full_like(token, pad_token_id))
         chosen = log_probs.gather(1, token.unsqueeze(1)).squeeze(1)  # [B]
@@ -329,6 +316,29 @@ def sample_completions(
         torch.stack(masks, 1).long().cpu(),
         torch.stack(logprobs, 1).cpu(),
     )
+
+
+def next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    uniform: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoding step: the ``[B]`` tokens chosen from ``[B, V]`` float32 ``logits`` and the
+    ``[B, V]`` log-probs they were drawn from (the truncated, renormalised policy under
+    ``top_k``/``top_p``). ``temperature > 0``: the inverse CDF at ``uniform`` (``[B]``);
+    0: greedy, with log-probs at temperature 1."""
+    if temperature > 0 and truncates(top_k, top_p, logits.shape[-1]):
+        log_probs = truncated_log_softmax(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        token, _ = sample_truncated(
+            logits, temperature=temperature, top_k=top_k, top_p=top_p, uniform=uniform
+        )
+        return token, log_probs
+    if temperature > 0:
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)  # [B, V]
+        return inverse_cdf_sample(log_probs, uniform), log_probs
+    return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1)
 
 
 def inverse_cdf_sample(log_probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -372,43 +382,6 @@ def group_uniforms(
         for group in group_indices
     ]
     return torch.cat(draws) if draws else torch.zeros(0, max_new_tokens, dtype=torch.float64)
-
-
-class _no_autocast:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def sequence_logprobs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    completion_length: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> torch.Tensor:
-    """The learner's log-probs of the last ``completion_length`` tokens, ``[B, T]`` float32.
-
-    Position ``t`` predicts token ``t + 1``; logits are divided by ``temperature`` as in
-    sampling, and with ``top_k``/``top_p`` the truncated policy the sampler draws from is
-    scored (``softtrust.truncation``); masked completion positions hold 0. ``softtrust.logprobs.completion_logprobs``
-    does the work without building the ``[B, T, V]`` logits.
-    """
-    completion_mask = attention_mask[:, -completion_length:]  # [B, T]
-    return completion_logprobs(
-        model,
-        input_ids,
-        attention_mask,
-        completion_length,
-        completion_mask=completion_mask,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-    )
 
 
 class ProblemSampler:

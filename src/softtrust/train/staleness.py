@@ -49,8 +49,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .distributed import policy_logprobs
 from .rollout import RolloutBatch
+from .scoring import Scoring, completion_logprobs_of, row_pieces
 
 
 @dataclass
@@ -205,34 +205,24 @@ def check_kind(source: RolloutSource, state: dict) -> None:
         )
 
 
-def row_pieces(rows: int, micro_batch_size: int | None) -> list[slice]:
-    """The learner's micro-batches of a mini-batch of ``rows`` rows (``--micro-batch-size``; None: one)."""
-    size = micro_batch_size or rows
-    return [slice(start, start + size) for start in range(0, rows, size)] or [slice(0, 0)]
-
-
 @torch.no_grad()
 def behaviour_logprobs(
-    model,
-    batch: RolloutBatch,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    micro_batch_size: int | None = None,
+    model, batch: RolloutBatch, scoring: Scoring, micro_batch_size: int | None = None
 ) -> torch.Tensor:
     """The learner's own log-probs of the sampled tokens (same code, same mode, no grad).
 
-    Computed in the learner's micro-batches (:func:`row_pieces`), so each row runs with the
-    shapes it has in the update, through the learner's own call (``distributed.policy_logprobs``):
-    at lag 0 the ratio is exactly 1. ``model`` is a causal LM, or under FSDP2 the sharded
-    ``distributed.PolicyForward`` (whose forward gathers the parameters); the result is on the CPU.
+    Computed in the learner's micro-batches (``scoring.row_pieces``), so each row runs with the
+    shapes it has in the update, through the learner's own function
+    (``scoring.completion_logprobs_of``): at lag 0 the ratio is exactly 1. ``model`` is a causal
+    LM, or under FSDP2 the sharded ``distributed.PolicyForward`` (whose forward gathers the
+    parameters); the result is on the CPU.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     pieces = [
-        policy_logprobs(
-            model, input_ids[rows], attention_mask[rows], batch.completion_length, temperature, top_k, top_p
-        ).cpu()
+        completion_logprobs_of(
+            model, input_ids[rows], attention_mask[rows], batch.completion_length, scoring
+        ).logprobs.cpu()
         for rows in row_pieces(input_ids.shape[0], micro_batch_size)
     ]
     return torch.cat(pieces)
@@ -250,11 +240,9 @@ class SyncRollouts:
         staleness: int,
         prompts_per_step: int,
         group_size: int,
-        temperature: float,
+        scoring: Scoring,
         keep_rollout_logprobs: bool,
         world=None,
-        top_k: int | None = None,
-        top_p: float | None = None,
         micro_batch_size: int | None = None,
     ):
         self.generate = generate
@@ -265,8 +253,7 @@ class SyncRollouts:
         self.world_size = world.size if world is not None else 1
         self.rows_per_step = prompts_per_step * group_size  # global rows per mini-batch
         self.local_rows_per_step = self.rows_per_step // self.world_size
-        self.temperature = temperature
-        self.top_k, self.top_p = top_k, top_p  # the truncated policy the learner scores
+        self.scoring = scoring  # the (truncated) policy the learner scores
         self.keep_rollout_logprobs = keep_rollout_logprobs
         self.pending: list[MiniBatch] = []
         self.rollouts = 0  # rollouts generated so far (= behaviour log-prob passes)
@@ -289,12 +276,7 @@ class SyncRollouts:
             old = torch.cat(
                 [
                     behaviour_logprobs(
-                        model,
-                        batch.rows(*self._local_rows(k)),
-                        self.temperature,
-                        self.top_k,
-                        self.top_p,
-                        self.micro_batch_size,
+                        model, batch.rows(*self._local_rows(k)), self.scoring, self.micro_batch_size
                     )
                     for k in range(self.staleness)
                 ]

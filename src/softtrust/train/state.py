@@ -34,6 +34,12 @@ class TrainState:
     completion_tokens: int = 0
     accuracy_before: float = math.nan
 
+    def count_update(self, skipped: bool) -> None:
+        """Count an update: a skipped one (non-finite loss or gradient) adds to both skip counters,
+        a taken one resets the run of skips."""
+        self.nonfinite_skips += int(skipped)
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+
     def counters(self) -> dict:
         """The running totals (plain numbers: a checkpoint stores them as they are)."""
         return {name: getattr(self, name) for name in COUNTERS}

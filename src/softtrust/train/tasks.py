@@ -13,41 +13,12 @@ scored by ``exact``, ``numeric`` or a user ``module:function`` reward.
 
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One prompt with its reference answer.
-
-    Attributes:
-        prompt: plain text, or a conversation as a tuple of ``(role, content)`` pairs (rendered
-            with the tokenizer's chat template when encoded, ``rollout.prompt_texts``).
-        answer: the reference answer as text (``""`` when a dataset has none).
-        columns: a dataset record's other columns (the answer column included), passed to a
-            custom reward as keyword arguments; not part of the problem's identity.
-    """
-
-    prompt: str | tuple
-    answer: str
-    columns: dict = field(default_factory=dict, compare=False, hash=False)
-
-
-def exact_reward(completion: str, answer: str) -> float:
-    """1 if the completion equals the answer after stripping whitespace, else 0."""
-    return float(completion.strip() == answer.strip())
-
-
-def numeric_reward(completion: str, answer: str) -> float:
-    """1 if both parse as numbers and agree to 1e-6 (relative), else 0."""
-    try:
-        got, want = float(completion.strip()), float(answer.strip())
-    except ValueError:
-        return 0.0
-    return float(math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))
+from .data import problems_from_records, read_records
+from .problem import Problem
+from .rewards import RewardSet
 
 
 def digit_partial_reward(completion: str, answer: str, partial_weight: float = 0.2) -> float:
@@ -131,8 +102,6 @@ class DatasetTask:
         reward_weights: list | None = None,
         correctness_reward: str | None = None,
     ):
-        from .data import problems_from_records, read_records
-        from .rewards import RewardSet
 
         self.path = Path(path)
         self.rewards = RewardSet.parse(reward, reward_weights, correctness_reward)
@@ -162,7 +131,6 @@ class DatasetTask:
 
 def read_jsonl_problems(path: Path) -> list[Problem]:
     """``{"prompt", "answer"}`` records of a JSONL file (``data.read_records``)."""
-    from .data import problems_from_records, read_records
 
     return problems_from_records(read_records(path))
 

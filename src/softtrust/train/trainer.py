@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import NamedTuple
 
 import torch
 
 import softtrust as st
 
 from .checkpoint import find_checkpoint, restore_state, run_directory_of, save_state
-from .config import DTYPES, TrainConfig, resolve_device, resume_config
+from .config import DTYPES, TrainConfig, resolve_device
 from .distributed import (
     World,
     close_world,
@@ -31,8 +32,9 @@ from .distributed import (
     save_kept_names,
     wrap_policy,
 )
-from .learner import Learner, build_optimizer, evaluate, policy_update
+from .learner import Learner, build_optimizer, evaluate
 from .loss_config import build_method_loss
+from .options import resume_config
 from .rollout import (
     ProblemSampler,
     RewardScorer,
@@ -42,9 +44,9 @@ from .rollout import (
     generate_rollout,
     greedy_accuracy,
     group_uniforms,
-    sequence_logprobs,  # noqa: F401 (tests reach it through this module)
 )
 from .runlog import RunLog
+from .scoring import Scoring
 from .staleness import AsyncRollouts, LaggedRollouts, MiniBatch, RolloutSource, SyncRollouts
 from .state import TrainState
 from .tasks import build_task, check_training_pool, held_out_problems
@@ -68,11 +70,12 @@ def train(config: TrainConfig) -> dict:
     data-parallel training (DDP, or FSDP2 with ``fsdp``); see ``docs/distributed.md``.
     """
     config = resolve_resume(config).resolved().validate()
+    loss_fn = build_method_loss(config)  # built once: a bad method parameter fails before any work
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     world = init_world(config.fsdp, resolve_device(config.device))
     try:
-        summary = train_in_world(config, world)
+        summary = train_in_world(config, loss_fn, world)
     except BaseException:
         close_world(world, wait=False)  # a failing rank must not wait for the others
         raise
@@ -80,9 +83,101 @@ def train(config: TrainConfig) -> dict:
     return summary
 
 
-def train_in_world(config: TrainConfig, world: World) -> dict:
-    """``train`` once the process group (if any) is up: the loop itself."""
+class Session(NamedTuple):
+    """What a run works with once it is set up (``set_up``)."""
+
+    run: RunLog
+    task: object
+    eval_problems: list
+    tokenizer: object
+    model: torch.nn.Module  # the plain causal LM
+    sampler_model: torch.nn.Module  # what samples rollouts (the plain model, or FSDP2's forward)
+    scorer: RewardScorer
+    learner: Learner
+    rollouts: RolloutSource
+    state: TrainState
+
+
+def train_in_world(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> dict:
+    """``train`` once the process group (if any) is up: set up, then one ``train_step`` after
+    another, then the final checkpoint, evaluation and summary."""
     started = time.time()
+    session = set_up(config, loss_fn, world)
+    run, state, learner = session.run, session.state, session.learner
+    progress = run.progress_bar(config, initial=state.step)
+    try:
+        while state.step < config.max_steps:
+            train_step(session, config, progress)
+    finally:
+        progress.close()
+        session.rollouts.close()
+    save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
+    run.note(f"evaluating {len(session.eval_problems)} held-out problems after RL (greedy)")
+    accuracy_after = evaluate_and_sample(session, config, state.step)
+    run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
+    final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
+    return run.finish(
+        config, session.model, session.tokenizer, state, accuracy_after, time.time() - started, final_state
+    )
+
+
+def train_step(session: Session, config: TrainConfig, progress) -> None:
+    """One step: collect, advantages, update, then log, evaluate and checkpoint."""
+    state, rollouts, world = session.state, session.rollouts, session.learner.world
+    collect_start = time.time()
+    # 1. collect: a new rollout when the schedule needs one (sync: every N steps; async: every step)
+    rollout = rollouts.collect(state.step, session.sampler_model)
+    if rollout is not None:
+        # 2. advantages: group-relative, from the rewards of the whole rollout
+        rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
+        warn_if_cut(session.run, rollout.batch, session.tokenizer, config, state.step)
+    minibatch = rollouts.next(state.step)
+    collect_seconds = time.time() - collect_start
+    state.reward_failures = int(world.sum(session.scorer.failures))
+    # 3. update: one optimizer step on the mini-batch
+    update_metrics = session.learner.update(minibatch)
+    state.count_update(skipped=bool(update_metrics["skipped"]))
+    state.step += 1
+    rollouts.publish(state.step, session.model)
+    # 4. log, evaluate, checkpoint
+    metrics = step_metrics(state, minibatch, update_metrics, rollouts, time.time() - collect_start, world)
+    # where the step's time went: waiting for the mini-batch (sync: sampling + behaviour log-probs),
+    # then the update; and the producer's time for a rollout that arrived now (async: spent while
+    # the learner worked on earlier steps)
+    metrics["seconds/collect"] = collect_seconds
+    metrics["seconds/update"] = metrics["seconds"] - collect_seconds
+    metrics["seconds/sample"] = 0.0 if rollout is None else rollout.seconds
+    log_evaluate_checkpoint(session, config, minibatch, metrics, progress)
+
+
+def log_evaluate_checkpoint(
+    session: Session, config: TrainConfig, minibatch, metrics: dict, progress
+) -> None:
+    """Samples, the held-out evaluation and the checkpoint when due; the metrics line; the stop
+    after ``max_nonfinite`` non-finite updates in a row (with a checkpoint)."""
+    run, state = session.run, session.state
+    if config.samples_every and state.step % config.samples_every == 0:
+        run.log_samples(
+            state.step, "train", training_samples(session.tokenizer, minibatch, config.num_samples)
+        )
+    if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
+        metrics["eval/accuracy"] = evaluate_and_sample(session, config, state.step)
+    run.log_step(metrics, progress)
+    if state.nonfinite_in_a_row >= config.max_nonfinite:
+        save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
+        raise TrainingStopped(
+            f"stopped at step {state.step}: {state.nonfinite_in_a_row} non-finite losses or gradients "
+            f"in a row (max_nonfinite={config.max_nonfinite}); the last checkpoint is in "
+            f"{run.directory / 'checkpoints'}"
+        )
+    if config.save_every and state.step % config.save_every == 0:
+        save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
+
+
+def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session:
+    """The task and held-out set, the run directory, the (warm-started) policy and its learner,
+    the rollout source and the state: restored from the latest checkpoint on resume, else
+    evaluated once before RL."""
     world.check_divides(config.prompts_per_step)
     task = build_config_task(config)
     eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
@@ -94,81 +189,28 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
     # The file layouts (tied weights once), read before any sharding.
     kept_names, final_names = save_kept_names(model), pretrained_names(model)
     policy = wrap_policy(model, world)  # the learner's forward: plain, DDP or FSDP2
-    sampler_model = generation_model(policy, model, world)  # what samples rollouts
     sampler = ProblemSampler(task, seed=config.seed, exclude=eval_problems)
     scorer = RewardScorer(task, strict=config.strict_reward)
-    loss_fn = build_method_loss(config)
     optimizer, scheduler = build_optimizer(model, config)
-    learner = Learner(model, policy, optimizer, scheduler, world, kept_names, final_names)
+    learner = Learner(
+        model, policy, optimizer, scheduler, world, kept_names, final_names, loss_fn, config, reference
+    )
     rollouts = build_rollout_source(config, model, tokenizer, sampler, scorer, world)
     state = TrainState(learner, rollouts, sampler)
+    session = Session(
+        run, task, eval_problems, tokenizer, model, generation_model(policy, model, world), scorer,
+        learner, rollouts, state,
+    )  # fmt: skip
     if checkpoint is not None:
         restore_state(checkpoint, state)
         run.log_event({"resumed_from": str(checkpoint), "step": state.step})
         run.truncate_after(state.step)  # metrics logged after the checkpoint will be logged again
     else:
         run.note(f"evaluating {len(eval_problems)} held-out problems before RL (greedy)")
-        state.accuracy_before = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, 0)
+        state.accuracy_before = evaluate_and_sample(session, config, 0)
         run.log_event({"step": 0, "eval/accuracy": state.accuracy_before})
     rollouts.start(state.step, model)
-
-    progress = run.progress_bar(config, initial=state.step)
-    try:
-        while state.step < config.max_steps:
-            collect_start = time.time()
-            # 1. collect: a new rollout when the schedule needs one (sync: every N steps; async: every step)
-            rollout = rollouts.collect(state.step, sampler_model)
-            if rollout is not None:
-                # 2. advantages: group-relative, from the rewards of the whole rollout
-                rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
-                warn_if_cut(run, rollout.batch, tokenizer, config, state.step)
-            minibatch = rollouts.next(state.step)
-            collect_seconds = time.time() - collect_start
-            state.reward_failures = int(world.sum(scorer.failures))
-            # 3. update: one optimizer step on the mini-batch
-            update_metrics = policy_update(
-                policy, optimizer, scheduler, loss_fn, minibatch, reference, config, state, world
-            )
-            state.step += 1
-            rollouts.publish(state.step, model)
-            # 4. log, evaluate, checkpoint
-            metrics = step_metrics(
-                state, minibatch, update_metrics, rollouts, time.time() - collect_start, world
-            )
-            # where the step's time went: waiting for the mini-batch (sync: sampling + behaviour
-            # log-probs), then the update; and the producer's time for a rollout that arrived
-            # now (async: spent while the learner worked on earlier steps)
-            metrics["seconds/collect"] = collect_seconds
-            metrics["seconds/update"] = metrics["seconds"] - collect_seconds
-            metrics["seconds/sample"] = 0.0 if rollout is None else rollout.seconds
-            if config.samples_every and state.step % config.samples_every == 0:
-                run.log_samples(
-                    state.step, "train", training_samples(tokenizer, minibatch, config.num_samples)
-                )
-            if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
-                metrics["eval/accuracy"] = evaluate_and_sample(
-                    learner, tokenizer, task, eval_problems, config, run, state.step
-                )
-            run.log_step(metrics, progress)
-            if state.nonfinite_in_a_row >= config.max_nonfinite:
-                save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-                raise TrainingStopped(
-                    f"stopped at step {state.step}: {state.nonfinite_in_a_row} non-finite losses or gradients "
-                    f"in a row (max_nonfinite={config.max_nonfinite}); the last checkpoint is in "
-                    f"{run.directory / 'checkpoints'}"
-                )
-            if config.save_every and state.step % config.save_every == 0:
-                save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-    finally:
-        progress.close()
-        rollouts.close()
-
-    save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-    run.note(f"evaluating {len(eval_problems)} held-out problems after RL (greedy)")
-    accuracy_after = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, state.step)
-    run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
-    final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
-    return run.finish(config, model, tokenizer, state, accuracy_after, time.time() - started, final_state)
+    return session
 
 
 CUT_WARNING = 0.5  # warn (once) when more than this share of a rollout's completions is cut
@@ -247,14 +289,14 @@ def step_metrics(
     }
 
 
-def evaluate_and_sample(
-    learner, tokenizer, task, problems, config: TrainConfig, run: RunLog, step: int
-) -> float:
+def evaluate_and_sample(session: Session, config: TrainConfig, step: int) -> float:
     """Held-out greedy accuracy (``learner.evaluate``); the first ``num_samples`` held-out
     problems' prompts, completions and rewards go to ``samples.jsonl``."""
     samples = [] if config.num_samples else None
-    accuracy = evaluate(learner, tokenizer, task, problems, config, samples=samples)
-    run.log_samples(step, "eval", samples or [])
+    accuracy = evaluate(
+        session.learner, session.tokenizer, session.task, session.eval_problems, config, samples=samples
+    )
+    session.run.log_samples(step, "eval", samples or [])
     return accuracy
 
 
@@ -454,11 +496,9 @@ def build_rollout_source(
             staleness=config.staleness,
             prompts_per_step=config.prompts_per_step,
             group_size=config.group_size,
-            temperature=config.temperature,
+            scoring=Scoring(config.temperature, config.top_k, config.top_p),
             keep_rollout_logprobs=dtype is not None or config.correction is not None,
             world=world,
-            top_k=config.top_k,
-            top_p=config.top_p,
             micro_batch_size=config.micro_batch_size,
         )
     if config.lag_schedule:

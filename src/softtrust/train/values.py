@@ -1,0 +1,176 @@
+"""Reading one configuration value strictly: the field's declared type, range and finiteness.
+
+``coerce`` turns a YAML or command-line value into a dataclass field's type (a value the flag
+would refuse is refused from YAML too); ``check_field_value`` applies a field's declared
+range; ``parse_key_values`` reads ``k=v,...`` options; ``load_yaml_mapping`` reads a config
+file. These know nothing of ``TrainConfig`` (they take the dataclass and field), so the
+dataclass (``config.py``) and the command line (``options.py``) both build on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+
+def parse_key_values(text: str, name: str) -> dict:
+    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars (and ``1e-6``,
+    which PyYAML reads as text, as the number)."""
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{name}: expected key=value pairs separated by commas, got {text!r}")
+        values[key.strip()] = _number_if_float(yaml.safe_load(value))
+    return values
+
+
+def _number_if_float(value):
+    """A YAML string that Python reads as a float (``1e-6``, ``.5e3``) as that float; else ``value``."""
+    number = _real_number(value) if isinstance(value, str) else None
+    return value if number is None else number
+
+
+def _field_kind(cls, name: str):
+    """The field's base type: int, float, str, bool, list or dict (Optional unwrapped)."""
+    hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def _is_optional(cls, name: str) -> bool:
+    hint = typing.get_type_hints(cls)[name]
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def coerce(cls, name: str, value):
+    """A YAML or command-line value as the field's type, strictly: a value the flag would refuse
+    is refused from YAML too (``2.7`` or ``true`` for an int, a number for a string, ...).
+    Strings are parsed as the command line parses them."""
+    kind = _field_kind(cls, name)
+    if value is None:
+        if _is_optional(cls, name):
+            return None
+        raise ValueError(f"{name}: expected {_kind_name(kind)}, got null")
+    optional_number = kind in (int, float) and _is_optional(cls, name)
+    if optional_number and isinstance(value, str) and value.strip().lower() in NULL_WORDS:
+        return None  # an optional number unset from the command line: --flag none
+    if kind is dict:
+        if isinstance(value, str):
+            return parse_key_values(value, name)
+        if isinstance(value, dict):
+            return dict(value)
+    elif kind is list:
+        items = value.split(",") if isinstance(value, str) else value
+        element = _list_element(cls, name)
+        if isinstance(items, (list, tuple)):
+            return [element(name, item) for item in items if not (isinstance(item, str) and not item.strip())]
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.lower()]
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    elif kind is int:
+        return _strict_int(name, value)
+    elif kind is float:
+        number = _real_number(value)
+        if number is not None:
+            return number
+    elif kind is str and isinstance(value, str):
+        return value
+    raise ValueError(f"{name}: expected {_kind_name(kind)}, got {value!r} ({type(value).__name__})")
+
+
+def _list_element(cls, name: str):
+    """The strict reader of a list field's items: ``list[float]`` reads numbers, else integers."""
+    args = typing.get_args(typing.get_type_hints(cls)[name])
+    return _strict_float if args and args[0] is float else _strict_int
+
+
+def _real_number(value) -> float | None:
+    """A float from a real number or a decimal string; None for a bool or anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _strict_float(name: str, value) -> float:
+    """A float from a real number or a decimal string; a bool or anything else is refused."""
+    number = _real_number(value)
+    if number is None:
+        raise ValueError(f"{name}: expected numbers separated by commas, got {value!r}")
+    return number
+
+
+NULL_WORDS = ("none", "null")
+BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+def _strict_int(name: str, value) -> int:
+    """An int from an int or a decimal string; a bool, a float or anything else is refused."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{name}: expected an integer, got {value!r}")
+
+
+def _kind_name(kind) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        kind, "key=value pairs" if kind is dict else "integers separated by commas"
+    )
+
+
+def check_field_value(f: dataclasses.Field, value) -> None:
+    """The declared checks of one field (``_field``'s ``low``/``high``; floats finite; a path-like
+    string option not empty). Raises ``ValueError`` naming the field."""
+    if value is None:
+        return
+    name, low, high = f.name, f.metadata.get("low"), f.metadata.get("high")
+    numbers = value if isinstance(value, list) else [value]
+    for number in numbers:
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            if isinstance(number, str) and not number.strip() and f.default is None:  # a path option
+                raise ValueError(f"{name}: must not be empty (got {value!r})")
+            continue
+        if not math.isfinite(number):
+            raise ValueError(f"{name}: must be a finite number (got {value!r})")
+        if low is not None and (number < low or (f.metadata.get("low_open") and number == low)):
+            bound = f"> {low}" if f.metadata.get("low_open") else f">= {low}"
+            raise ValueError(f"{name}: must be {bound} (got {value!r})")
+        if high is not None and number > high:
+            raise ValueError(f"{name}: must be <= {high} (got {value!r})")
+
+
+def load_yaml_mapping(path: str | Path) -> dict:
+    """The mapping in a YAML config file; a missing file, malformed YAML or another type is a
+    ``ValueError`` naming ``config``."""
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ValueError(f"config: cannot read {str(path)!r} ({error.strerror or error})") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"config: {str(path)!r} is not valid YAML ({error})") from error
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"config: {str(path)!r} must hold a mapping of field: value, got {type(loaded).__name__}"
+        )
+    return loaded
