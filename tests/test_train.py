@@ -366,6 +366,23 @@ def test_decoupled_objective_is_the_behaviour_weighted_policy_gradient(
         torch.testing.assert_close(decoupled[name], tensor, rtol=0, atol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("truncation", [{"top_k": 3}, {"top_p": 0.5}])
+def test_recomputed_proximal_policy_is_scored_like_the_policy_under_truncation(
+    micro_model_dir, tmp_path, monkeypatch, truncation
+):
+    """--proximal recompute with top-k / top-p sampling: pi_prox is the same weights scored the same
+    way (the truncated policy), so r = pi_theta / pi_prox is 1 exactly on every token. Scoring
+    pi_prox untruncated (as before the learner's one log-prob function) gives r != 1 wherever
+    the truncation renormalises."""
+    calls = []
+    recording_loss(monkeypatch, calls)
+    lags = dict(mode="async", max_lag=1, lag_schedule=[1], method="clip", max_steps=3)
+    train(micro_config(micro_model_dir, tmp_path / "run", proximal="recompute", **truncation, **lags))
+    for logprobs, old, _, mask, mu, _ in calls:
+        assert torch.equal(old * mask, logprobs * mask)  # pi_prox = the policy's own log-probs
+        assert float(((logprobs - mu) * mask).abs().max()) > 0  # while mu (the lagged sampler) differs
+
+
 # ---------------------------------------------------------------------- 3. resume and killed saves
 def test_resume_mid_rollout_equals_straight_run(micro_model_dir, tmp_path):
     # N = 3 and k = 4: the checkpoint falls inside a rollout, so pending mini-batches must be saved.
