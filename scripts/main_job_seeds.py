@@ -185,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         for seed in arguments.seeds.split(",")
     ]
     print(
-        f"{len(plan)} runs in {workdir}, {arguments.jobs} at a time (torch {torch.__version__})",
+        f"{len(plan)} runs in {workdir} on {arguments.cores} cores (torch {torch.__version__})",
         file=sys.stderr,
     )
-    with ThreadPoolExecutor(arguments.jobs) as pool:
-        rows = list(pool.map(lambda item: run_one(*item, workdir, extra), plan))
+    rows = []
+    for threads in sorted({item[2] for item in plan}):  # never more threads than cores at once
+        group = [item for item in plan if item[2] == threads]
+        with ThreadPoolExecutor(max(1, arguments.cores // threads)) as pool:
+            rows += list(pool.map(lambda item: run_one(*item, workdir, extra), group))
     command = "python scripts/main_job_seeds.py " + shlex.join(argv)
     Path(arguments.output).write_text(report(rows, command))
     print(report(rows, command))
