@@ -62,11 +62,14 @@ def micro_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def sweep_env(micro_model_dir, tmp_path, monkeypatch):
-    """Cells (subprocesses) can import the reward module and cache warm starts in tmp_path."""
+    """Cells (subprocesses) can import the reward module, cache warm starts in tmp_path and run on
+    one thread each."""
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(micro_model_dir), os.environ.get("PYTHONPATH", "")])
     )
     monkeypatch.setenv("SOFTTRUST_CACHE", str(tmp_path / "cache"))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):  # cells run --num-threads 1:
+        monkeypatch.setenv(name, "1")  # no library starts a pool of its own beside it
     return micro_model_dir
 
 
