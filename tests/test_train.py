@@ -609,14 +609,26 @@ def test_run_directory_holds_config_metrics_checkpoints_final_summary_and_plot(m
 
 
 # ---------------------------------------------------------------------- 4. learning
+LEARNING_MARGIN = 0.02  # about a third of the smallest gain measured over seeds x ISAs (0.057)
+
+
 def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
-    """The embedded tiny Qwen2 on single-digit addition, after a 100-step warm start (cached
-    in a temporary directory): 60 on-policy steps of VESPO raise the mean reward of the last
-    10 steps above the first 10 by at least 0.08 (measured: seed 0 0.44 -> 0.56, seed 1
-    0.46 -> 0.61)."""
+    """The embedded tiny Qwen2 on single-digit addition, after a fixed 100-step warm start
+    (cached in a temporary directory): 60 on-policy steps of VESPO raise the mean reward of the
+    last 10 steps above the first 10 by more than ``LEARNING_MARGIN``.
+
+    Measured gains (this computation, seeds 0-4 under ATEN_CPU_CAPABILITY=default, avx2 and
+    avx512; 2 threads give the 1-thread runs bit for bit): 0.057-0.21, median 0.11. Each float
+    path is another trajectory (rounding changes a sampled token, then everything after it), so
+    the margin is set from the spread over seeds and instruction sets, not from one run. It
+    fails a trainer that lowers the reward (a flipped advantage sign, a wrong-signed loss); the
+    same statistic for a run without updates (lr 1e-12, same problems and draws) lay in
+    -0.05..0.05, so one short run cannot tell no learning from little: multi-seed figures
+    (``softtrust sweep``) do that."""
     config = TrainConfig(
         task="addition-1digit",
         sft_steps=100,
+        sft_target_accuracy=None,  # exactly 100 warm-start steps, whatever the embedded default
         cache_dir=str(tmp_path / "cache"),
         group_size=8,
         prompts_per_step=16,
@@ -633,7 +645,7 @@ def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
     train(config)
     rewards = [m["reward/mean"] for m in read_metrics(tmp_path / "run")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + 0.08, (first, last)
+    assert last > first + LEARNING_MARGIN, (first, last)
     assert list((tmp_path / "cache" / "warmstart").glob("*.safetensors"))  # the warm start was cached
 
 
