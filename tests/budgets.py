@@ -1,0 +1,42 @@
+"""Float error budgets: where the tolerance of a test that compares two float paths comes from
+(not a test module).
+
+Two float paths compute the same value with different roundings: another instruction set's
+kernels (``ATEN_CPU_CAPABILITY``), another thread count, another number of processes, another
+summation order, a peer's code. A result built from ``terms`` rounded operations on values of
+size ``scale`` then differs by about ``eps · √terms · scale`` (independent roundings; ``eps ·
+terms · scale`` at worst). ``rounding_budget`` is that estimate times a margin: a tolerance
+says which computation it covers, and stays orders of magnitude below what a wrong normaliser,
+gradient average or data split changes (a factor, or whole terms).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+EPS32 = torch.finfo(torch.float32).eps  # 2^-23 ≈ 1.19e-7
+EPS64 = torch.finfo(torch.float64).eps  # 2^-52 ≈ 2.22e-16
+
+
+def rounding_budget(eps: float, terms: float, scale: float = 1.0, margin: float = 10.0) -> float:
+    """``margin · eps · √terms · scale``: the rounding difference allowed between two float paths
+    that each accumulate about ``terms`` rounded operations on values of size ``scale``."""
+    return margin * eps * math.sqrt(terms) * scale
+
+
+def adam_budget(steps: int, lr: float, gradient_terms: float = 1e3, margin: float = 10.0) -> float:
+    """The difference allowed between weights trained by two float paths for ``steps`` Adam(W)
+    steps at ``lr``. Adam divides each step by the gradient's running scale, so a gradient known
+    to relative rounding ρ moves a weight by about lr·ρ per step; a float32 gradient summed over
+    ``gradient_terms`` products (tokens × hidden units), with cancellation, has ρ ≲ eps32 ·
+    terms. Adam also hides a wrong gradient *scale* (2× the gradient, same step): compare a
+    gradient norm or a loss as well."""
+    return margin * steps * lr * EPS32 * gradient_terms
+
+
+# A token log-prob of the tests' micro Qwen2s (1-2 layers, d = 32, a 99-character vocabulary):
+# the log-softmax sums ~100 exponentials and log p ≈ -5, so two float32 paths differ by up to
+# eps32·√100·5 ≈ 6e-6; ×10 margin ≈ 6e-5 (measured float32 against float64: 6e-7 on every ISA).
+MICRO_LOGPROB = rounding_budget(EPS32, terms=100, scale=5)
