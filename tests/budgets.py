@@ -40,3 +40,12 @@ def adam_budget(steps: int, lr: float, gradient_terms: float = 1e3, margin: floa
 # the log-softmax sums ~100 exponentials and log p ≈ -5, so two float32 paths differ by up to
 # eps32·√100·5 ≈ 6e-6; ×10 margin ≈ 6e-5 (measured float32 against float64: 6e-7 on every ISA).
 MICRO_LOGPROB = rounding_budget(EPS32, terms=100, scale=5)
+
+# float64 losses and gradients of the tests' small batches (<= ~100 tokens of terms <= ~3) from
+# another code: a peer (TRL, verl, the official VESPO), a closed form, another op order, another
+# ISA's exp/log (<= 1 ulp): eps64·√100·3 ≈ 6.7e-15, ×150 for the ops each code adds ≈ 1e-12,
+# relative above 1, absolute below (measured: <= 7e-15 relative).
+F64_PARITY = rounding_budget(EPS64, terms=100, scale=3, margin=150)
+# verl divides by token counts + 1e-8 and takes log(w + 1e-10): its numbers differ from exact
+# ones by up to ~1e-8 relative (a one-token row), ×10 (measured: 1.3e-10 relative).
+VERL_EPSILON = 1e-7

@@ -25,12 +25,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from budgets import EPS32, MICRO_LOGPROB, adam_budget, rounding_budget
 from softtrust.train.config import TrainConfig
 from softtrust.train.distributed import World
 from softtrust.train.rollout import group_uniforms
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from softtrust.train.trainer import train
+
+from budgets import EPS32, MICRO_LOGPROB, adam_budget, rounding_budget
 
 torch.set_num_threads(1)
 

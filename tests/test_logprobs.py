@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from budgets import EPS32, EPS64, rounding_budget
 from softtrust.logprobs import completion_logprobs, token_logprobs
+
+from budgets import EPS32, EPS64, rounding_budget
 
 N, D, V = 37, 16, 101  # N and V prime: no chunk size divides them
 # float32 against the float64 oracle: a log-softmax sums V = 101 exponentials (a gradient sums

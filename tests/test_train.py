@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from budgets import EPS32, MICRO_LOGPROB, adam_budget, rounding_budget
 from softtrust.train import checkpoint as checkpoint_module
 from softtrust.train import staleness as staleness_module
 from softtrust.train import trainer as trainer_module
@@ -25,6 +24,8 @@ from softtrust.train.checkpoint import find_checkpoint, load_checkpoint
 from softtrust.train.config import TrainConfig, load_resume_config
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from softtrust.train.trainer import TrainingStopped, train
+
+from budgets import EPS32, MICRO_LOGPROB, adam_budget, rounding_budget
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import softtrust as st
-from budgets import EPS32, rounding_budget
 from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.truncation import (
     sample_truncated,
@@ -23,6 +22,8 @@ from softtrust.truncation import (
     truncation_mask,
     truncation_threshold,
 )
+
+from budgets import EPS32, rounding_budget
 
 N, D, V = 37, 16, 101  # prime: no chunk size divides them
 # float32 against the float64 oracle: each value sums <= V = 101 exponentials, ~eps32·√V of its
