@@ -49,3 +49,11 @@ F64_PARITY = rounding_budget(EPS64, terms=100, scale=3, margin=150)
 # verl divides by token counts + 1e-8 and takes log(w + 1e-10): its numbers differ from exact
 # ones by up to ~1e-8 relative (a one-token row), ×10 (measured: 1.3e-10 relative).
 VERL_EPSILON = 1e-7
+# The absolute floor of such a comparison, for values near 0: float64 sums of <= ~30 terms of
+# size <= ~1, eps64·√30 ≈ 1.2e-15, ×10.
+F64_ABS = rounding_budget(EPS64, terms=30)
+# A gradient through another formula can be a difference of terms ~100x its size: 100·F64_PARITY.
+F64_GRADIENT = 100 * F64_PARITY
+# A metric is computed in float32 (a mean, max or ratio over <= ~64 tokens) and compared with a
+# float64 value or another path's float32 one: eps32·√64, ×10 ≈ 9.5e-6 relative.
+F32_METRIC = rounding_budget(EPS32, terms=64)

@@ -11,6 +11,7 @@ from hypothesis import strategies as hs
 
 import softtrust as st
 
+from budgets import F32_METRIC, F64_ABS, F64_GRADIENT, F64_PARITY
 from helpers import loss_and_grad, method_level_pairs, random_batch
 
 CORRECTIONS = [
@@ -79,8 +80,8 @@ def test_micro_batches_with_global_normaliser_reproduce_whole_batch(method, aggr
         )
         total += loss.item()
         grads.append(grad)
-    assert total == pytest.approx(whole_loss.item(), rel=1e-12, abs=1e-12)
-    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=1e-12, atol=1e-14)
+    assert total == pytest.approx(whole_loss.item(), rel=F64_PARITY, abs=F64_PARITY)
+    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=F64_PARITY, atol=F64_ABS)
 
 
 def test_averaging_local_token_means_is_not_the_global_token_mean():
@@ -109,7 +110,7 @@ def test_aggregation_closed_forms(aggregation, expected):
     logprobs, _, advantages, mask = random_batch(seed=15)
     out = st.PolicyLoss("reinforce", aggregation=aggregation)(logprobs, None, advantages, mask)
     per_token = -advantages[:, None] * logprobs * mask
-    assert out.loss.item() == pytest.approx(expected(per_token, mask.double()).item(), rel=1e-12)
+    assert out.loss.item() == pytest.approx(expected(per_token, mask.double()).item(), rel=F64_PARITY)
 
 
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
@@ -197,7 +198,7 @@ def test_kl_estimators_closed_form(estimator, formula):
     ref = torch.tensor([[-1.5, -0.1, -2.0]], dtype=torch.float64)
     values = st.kl_estimate(logprobs, ref, estimator)
     expected = [formula(r - lp) for lp, r in zip(logprobs[0].tolist(), ref[0].tolist(), strict=True)]
-    assert values[0].tolist() == pytest.approx(expected, abs=1e-14)
+    assert values[0].tolist() == pytest.approx(expected, abs=F64_ABS)
 
 
 def test_kl_term_adds_coef_times_k3_and_its_gradient():
@@ -212,7 +213,7 @@ def test_kl_term_adds_coef_times_k3_and_its_gradient():
     torch.testing.assert_close(
         grad1 - grad0, 0.3 * (1 - math.exp(0.4)) * mask.double()
     )  # dk3/dlogp = 1 - e^d
-    assert metrics["kl"] == pytest.approx(k3, rel=1e-6)
+    assert metrics["kl"] == pytest.approx(k3, rel=F32_METRIC)
 
 
 def test_kl_k3_never_overflows():
@@ -237,7 +238,9 @@ def test_token_log_ratio_clamp_keeps_the_gradient_inside_and_zeroes_it_beyond(ch
     ratio = torch.exp(log_r.clamp(-clamp, clamp))
     assert loss.item() == pytest.approx((-((1 - alpha) * ratio + alpha) * 2.0).sum().item())
     inside = -(1 - alpha) * ratio * 2.0
-    assert grad[0].tolist() == pytest.approx([inside[0, 0].item(), inside[0, 1].item(), 0.0, 0.0], abs=1e-12)
+    assert grad[0].tolist() == pytest.approx(
+        [inside[0, 0].item(), inside[0, 1].item(), 0.0, 0.0], abs=F64_PARITY
+    )
 
 
 def test_clamp_log_ratio_has_clamp_values_and_a_slope_of_one_strictly_inside():
@@ -286,7 +289,7 @@ def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, es
         leaf = logprobs.clone().requires_grad_(True)
         term = estimate(leaf) * (torch.exp(leaf - old) if corrected else 1.0)
         (expected,) = torch.autograd.grad((0.3 * term * m).sum(), leaf)
-        torch.testing.assert_close(grad - policy_grad, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad - policy_grad, expected, rtol=F64_GRADIENT, atol=F64_PARITY)
 
 
 # --- metrics ---------------------------------------------------------------------------------------
@@ -313,7 +316,7 @@ def test_ess_is_one_for_equal_weights_and_one_over_n_for_a_single_dominant_weigh
     old = torch.zeros(4, 2, dtype=torch.float64)
     old[0] = -15.0  # W_0 = e^30 dominates
     dominated = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metric_values()
-    assert dominated["ess"] == pytest.approx(0.25, rel=1e-6)
+    assert dominated["ess"] == pytest.approx(0.25, rel=F32_METRIC)
     assert dominated["seq_log_weight/max"] == pytest.approx(30.0)
 
 
@@ -633,13 +636,16 @@ def test_gspo_token_level_equals_sequence_mean_unless_a_factor_varies_within_a_r
         )
         weighted[level] = loss_and_grad(loss_fn, logprobs, old, advantages, mask, rollout_logprobs=rollout)
     (value_mean, grad_mean, _), (value_token, grad_token, _) = plain.values()
-    assert value_token.item() == pytest.approx(value_mean.item(), abs=1e-12)
-    torch.testing.assert_close(grad_token, grad_mean, atol=1e-12, rtol=1e-12)
+    assert value_token.item() == pytest.approx(value_mean.item(), abs=F64_PARITY)
+    torch.testing.assert_close(grad_token, grad_mean, atol=F64_PARITY, rtol=F64_PARITY)
 
     m = mask.double()
     w = torch.exp(old - rollout).clamp(max=2.0) * m  # token TIS weights, cap 2
     row_mean_weight = w.sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
     (value_mean, grad_mean, _), (value_token, grad_token, _) = weighted.values()
-    assert value_token.item() == pytest.approx(value_mean.item(), abs=1e-12)
-    torch.testing.assert_close(grad_token, grad_mean * w / row_mean_weight, atol=1e-12, rtol=1e-9)
+    assert value_token.item() == pytest.approx(value_mean.item(), abs=F64_PARITY)
+    # the expected side divides by a row mean of exp/clamp values: F64_GRADIENT (1e-10)
+    torch.testing.assert_close(
+        grad_token, grad_mean * w / row_mean_weight, atol=F64_PARITY, rtol=F64_GRADIENT
+    )
     assert (grad_token - grad_mean).abs().max() > 1e-4
