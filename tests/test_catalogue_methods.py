@@ -51,6 +51,7 @@ TV_CASES = [
 ]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("p_old", "p", "advantage", "valid"), TV_CASES)
 def test_dppo_tv_masks_tokens_that_moved_too_far_in_the_update_direction(p_old, p, advantage, valid):
     loss, grad, metrics = one_token("dppo", p_old, p, advantage)
@@ -72,6 +73,7 @@ KL_CASES = [
 ]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("p_old", "p", "advantage"), KL_CASES)
 def test_dppo_binary_kl_validity_rule(p_old, p, advantage):
     divergence = bernoulli_kl(p_old, p)
@@ -82,6 +84,7 @@ def test_dppo_binary_kl_validity_rule(p_old, p, advantage):
     assert metrics["dppo/masked"] == (0.0 if valid else 1.0)
 
 
+@pytest.mark.numerics
 def test_binary_kl_closed_form_and_edges():
     q = torch.tensor([0.5, 0.99, 1e-5, 0.3, 0.7, 1.0], dtype=torch.float64)
     p = torch.tensor([0.75, 0.8, 1e-3, 0.3, 1.0, 0.5], dtype=torch.float64)
@@ -107,6 +110,7 @@ def test_dppo_token_at_probability_one_is_finite():
 # --- DRO, TOPR --------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("p_old", "p", "advantage"), [(0.5, 0.7, 1.3), (0.2, 0.1, -0.6), (0.4, 0.4, 0.9)])
 def test_dro_value_and_gradient(p_old, p, advantage):
     beta = 0.3
@@ -116,6 +120,7 @@ def test_dro_value_and_gradient(p_old, p, advantage):
     assert grad == pytest.approx(-(advantage - beta * log_r), rel=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_topr_weights_negative_sequences_by_their_clipped_sequence_ratio():
     logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -0.5, -2.0], [-1.0, -0.5, -2.0]], dtype=torch.float64)
     old = logprobs + torch.tensor([[0.2, 0.1, 0.0], [-0.3, -0.4, 0.0], [0.2, 0.1, 0.0]], dtype=torch.float64)
@@ -142,6 +147,7 @@ def covariance(logprobs, advantages, mask):
     return cov
 
 
+@pytest.mark.numerics
 def test_kl_cov_penalises_exactly_the_top_k_covariance_tokens():
     logprobs, old, advantages, mask = random_batch(batch=6, length=8, seed=5, spread=0.4)
     ratio = 0.1
@@ -161,6 +167,7 @@ def test_kl_cov_penalises_exactly_the_top_k_covariance_tokens():
     assert out_cov[2]["cov/selected"] == pytest.approx(k / mask.sum().item())
 
 
+@pytest.mark.numerics
 def test_kl_cov_micro_batches_need_the_global_state():
     """Selected per micro-batch (what a per-micro-batch peer call does), the batch's top-k is not kept."""
     logprobs, old, advantages, mask = random_batch(batch=8, length=6, seed=6, spread=0.4)
@@ -183,6 +190,7 @@ def clip_cov_batch():
     return random_batch(batch=8, length=10, seed=7, spread=0.3)
 
 
+@pytest.mark.numerics
 def test_clip_cov_picks_min_k_candidates_and_zeroes_only_them():
     batch = clip_cov_batch()
     logprobs, old, advantages, mask = batch
@@ -215,6 +223,7 @@ def test_clip_cov_pick_is_reproducible_from_the_seed_and_changes_with_it():
     assert any(not torch.equal(grad(1), grad(seed)) for seed in range(2, 6))
 
 
+@pytest.mark.numerics
 def test_clip_cov_micro_batches_with_the_state_reproduce_the_whole_pick():
     batch = clip_cov_batch()
     loss_fn = st.PolicyLoss(st.ClipCov(ratio=0.05, cov_low=0.05), aggregation="token-sum")
@@ -254,6 +263,7 @@ def test_catalogue_token_methods_refuse_sequence_levels(method):
         st.PolicyLoss(method, level="sequence-mean")
 
 
+@pytest.mark.numerics
 def test_clip_cov_table_formula_with_a_real_pick():
     """The table's independent statement of the keyed pick (tests/expected_methods.py), with k < #candidates."""
     logprobs, old, advantages, mask = clip_cov_batch()
@@ -267,6 +277,8 @@ def test_clip_cov_table_formula_with_a_real_pick():
     torch.testing.assert_close(grad, expected_grad, rtol=F64_GRADIENT, atol=F64_ABS)
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_clip_cov_compiles_with_a_state_drawn_from_a_generator():
     """A Generator cannot enter a fullgraph compile: draw the state eagerly, pass it to the compiled loss."""
     batch = clip_cov_batch()

@@ -293,6 +293,7 @@ def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed:
     return MiniBatch(batch, old, None, advantages, 0, 0, (0, rows), 0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("method", "aggregation"),
     [
@@ -359,6 +360,7 @@ def test_on_policy_skips_the_behaviour_forward_and_keeps_ratio_one(micro_model_d
     assert len(calls) == 2  # N = 2: one behaviour forward per mini-batch of the rollout
 
 
+@pytest.mark.numerics
 def test_shared_prompt_prefill_samples_what_a_prefill_per_row_does(micro_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -296,6 +296,7 @@ def test_torchrun_retries_failures_of_the_machine_and_fails_at_once_on_any_other
 
 
 # ---------------------------------------------------------------------- 1. exactness across world sizes
+@pytest.mark.numerics
 def test_two_processes_reach_the_same_weights_as_one(
     micro_model_dir, straight_run, initial_weights, tmp_path
 ):
@@ -324,6 +325,8 @@ def test_two_processes_reach_the_same_weights_as_one(
 
 
 # ---------------------------------------------------------------------- 2. resume with another world size
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_checkpoint_of_two_processes_resumes_in_one(micro_model_dir, straight_run, initial_weights, tmp_path):
     # Step 3 falls inside a rollout (N = 2): the pending mini-batch is saved whole.
     run = tmp_path / "two_then_one"
@@ -334,6 +337,8 @@ def test_checkpoint_of_two_processes_resumes_in_one(micro_model_dir, straight_ru
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 7))
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_checkpoint_of_one_process_resumes_in_two(micro_model_dir, straight_run, initial_weights, tmp_path):
     run = tmp_path / "one_then_two"
     train(TrainConfig(**run_config(micro_model_dir, run, max_steps=3)))
@@ -354,6 +359,8 @@ def _has_fully_shard() -> bool:
     return True
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 @pytest.mark.skipif(
     not _has_fully_shard(),
     reason="this torch has no torch.distributed.fsdp.fully_shard (FSDP2); on GPUs use torch >= 2.6 "
@@ -387,6 +394,7 @@ def test_fsdp2_on_cpu_with_gloo_matches_one_process(micro_model_dir, straight_ru
 
 
 # ---------------------------------------------------------------------- async mode with data-parallel learners
+@pytest.mark.numerics
 def test_async_lagged_rollouts_on_two_processes_match_one(micro_model_dir, initial_weights, tmp_path):
     """Async mode under DDP: each rank's rollout source (here the deterministic lag schedule)
     samples its share with the lagged weights; the result equals one process's."""
@@ -414,6 +422,7 @@ class _TwoRanks(World):
         return [obj, self.other]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("method", "params"),
     [
@@ -457,6 +466,7 @@ def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
     assert any(not torch.equal(alone[name], whole[name]) for name in whole)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("method", "params"), [("m2po", {"tau": 1e-5}), ("kl-cov", {"ratio": 0.1})])
 def test_batch_wide_selection_under_torchrun_equals_one_process(
     micro_model_dir, initial_weights, tmp_path, method, params
@@ -481,6 +491,7 @@ def test_batch_wide_selection_under_torchrun_equals_one_process(
     assert any(0 < m[name] < 1 for m in one[1::2])  # the selection is not trivial where it counts
 
 
+@pytest.mark.numerics
 def test_decoupled_objective_on_two_processes_matches_one(micro_model_dir, initial_weights, tmp_path):
     """--proximal recompute under DDP: the extra no-grad forward of pi_prox runs on each rank's
     share (outside DDP's gradient bookkeeping) and the update equals one process's."""

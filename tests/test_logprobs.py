@@ -15,6 +15,10 @@ from softtrust.logprobs import completion_logprobs, token_logprobs
 
 from budgets import EPS32, EPS64, rounding_budget
 
+pytestmark = (
+    pytest.mark.numerics
+)  # the log-prob kernels against a float64 oracle: the outcome depends on float paths
+
 N, D, V = 37, 16, 101  # N and V prime: no chunk size divides them
 # float32 against the float64 oracle: a log-softmax sums V = 101 exponentials (a gradient sums
 # N = 37 rows, a logit D = 16 products: fewer), so each value carries ~eps32·√V of its size;

@@ -11,6 +11,10 @@ from budgets import F32_METRIC, F64_ABS, F64_GRADIENT, F64_PARITY
 from expected_methods import EXPECTED, expected_loss
 from helpers import loss_and_grad, method_level_pairs, random_batch
 
+pytestmark = (
+    pytest.mark.numerics
+)  # every method against its formula, and compiled: the outcome depends on float paths
+
 
 def test_every_registered_method_has_an_expected_formula():
     assert set(EXPECTED) == set(st.METHODS)
@@ -31,6 +35,7 @@ def test_value_and_gradient_equal_the_expected_formula(method, level, aggregatio
     torch.testing.assert_close(grad, expected_grad, rtol=F64_GRADIENT, atol=F64_ABS)
 
 
+@pytest.mark.costly  # ~40 s: one compilation per method and level
 @pytest.mark.parametrize(("method", "level"), method_level_pairs())
 def test_compiled_loss_equals_eager_in_value_gradient_and_metrics(method, level):
     """``torch.compile(fullgraph=True)`` (backend ``aot_eager``: no compiler needed) for every method

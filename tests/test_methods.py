@@ -23,6 +23,7 @@ def sech2(x: float) -> float:
 # --- every method is the plain policy gradient on-policy -------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
 @pytest.mark.parametrize(("method", "level"), method_level_pairs())
 def test_every_method_gradient_equals_policy_gradient_at_ratio_one(method, level, aggregation):
@@ -52,6 +53,7 @@ def test_on_policy_none_old_logprobs_means_ratio_one():
 # --- Clip, dual-clip, delta ------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_clip_value_and_gradient_closed_form(ratio, advantage):
@@ -63,6 +65,7 @@ def test_clip_value_and_gradient_closed_form(ratio, advantage):
     assert grad == pytest.approx(-ratio * advantage if gradient_flows else 0.0, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("ratio", "expected_loss", "expected_grad"),
     [
@@ -84,6 +87,7 @@ def test_dual_clip_never_touches_positive_advantages():
         )
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("ratio", "advantage", "expected_loss", "expected_grad"),
     [
@@ -98,6 +102,7 @@ def test_delta_caps_the_unclipped_ratio(ratio, advantage, expected_loss, expecte
     assert grad == pytest.approx(expected_grad, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_gspo_is_clip_on_geometric_mean_ratio():
     logprobs, old, advantages, mask = random_batch(seed=5, spread=0.01)
     gspo = st.PolicyLoss("gspo", aggregation="seq-mean-token-mean")
@@ -116,6 +121,7 @@ def test_gspo_is_clip_on_geometric_mean_ratio():
 # --- CISPO -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", [*RATIOS, 7.0])
 def test_cispo_weight_is_clipped_and_detached(ratio, advantage):
@@ -124,6 +130,7 @@ def test_cispo_weight_is_clipped_and_detached(ratio, advantage):
     assert grad == pytest.approx(-min(ratio, 5.0) * advantage, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_cispo_lower_bound_raises_small_weights():
     _, grad = single_token("cispo", math.log(0.3), 1.0, ratio_low=0.8)
     assert grad == pytest.approx(-0.8, abs=F64_PARITY)
@@ -132,6 +139,7 @@ def test_cispo_lower_bound_raises_small_weights():
 # --- SAPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_sapo_value_and_sech2_gradient_weight(ratio, advantage):
@@ -151,6 +159,7 @@ def test_sapo_loss_offset_is_two_over_tau_at_ratio_one():
 # --- PSPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_pspo_gradient_is_one_minus_alpha_times_unclipped(ratio, advantage):
@@ -163,6 +172,7 @@ def test_pspo_gradient_is_one_minus_alpha_times_unclipped(ratio, advantage):
 # --- CFPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_cfpo_value_and_gradient(ratio, advantage):
@@ -174,6 +184,7 @@ def test_cfpo_value_and_gradient(ratio, advantage):
     assert grad == pytest.approx(-(advantage - abs(advantage) * (ratio - 1) / eps) * ratio, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 def test_cfpo_is_stationary_at_one_plus_sign_eps(advantage):
     eps = 0.3
@@ -187,6 +198,7 @@ def test_cfpo_is_stationary_at_one_plus_sign_eps(advantage):
 # --- GMPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_gmpo_geometric_mean_of_sign_aware_clipped_ratios():
     log_r = torch.tensor([[0.1, 0.6, -0.7, 0.0]], dtype=torch.float64)  # one sequence, eps = 0.4
     logprobs = torch.zeros_like(log_r)
@@ -220,12 +232,14 @@ def phi(w: float, advantage: float, **params) -> float:
     return method.phi(log_w, torch.tensor([[advantage]], dtype=torch.float64)).item()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("k", "lam"), [(2.0, 3.0), (3.0, 2.0), (0.0, 1.0), (5.0, 0.5)])
 def test_vespo_phi_is_one_on_policy(k, lam):
     assert phi(1.0, 1.0, k_pos=k, lambda_pos=lam) == pytest.approx(1.0, abs=F64_PARITY)
     assert phi(1.0, -1.0, k_neg=k, lambda_neg=lam) == pytest.approx(1.0, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("w", "advantage", "expected"),
     [
@@ -250,6 +264,7 @@ def test_vespo_phi_peaks_at_k_over_lambda(advantage, peak):
         assert phi(w, advantage) < at_peak
 
 
+@pytest.mark.numerics
 def test_vespo_token_mean_gradient_is_minus_phi_a_m_over_count_and_phi_has_no_gradient():
     logprobs, old, advantages, mask = random_batch(seed=7, spread=0.2)
     loss_fn = st.PolicyLoss("vespo", aggregation="token-mean")
@@ -286,6 +301,7 @@ def test_vespo_log_w_floor_and_nonfinite_phi_is_zero():
     assert phi(math.exp(20), 1.0) == 0.0  # e^{λ(1-W)} underflows to exactly 0, never NaN
 
 
+@pytest.mark.numerics
 def test_vespo_sequence_mean_is_the_length_normalised_ablation():
     logprobs, old, advantages, mask = random_batch(seed=8)
     m = mask.double()

@@ -286,6 +286,8 @@ def test_only_finished_or_stopped_runs_report_a_best_accuracy(tmp_path):
 
 
 # ---------------------------------------------------------------------- (4) on-policy sanity
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_on_policy_clip_vespo_and_reinforce_reach_the_same_parameters(sweep_env, tmp_path):
     """At N = 1 every ratio is 1 and VESPO's phi is 1: the three give the same gradient A grad log p."""
     output = tmp_path / "sweep"

@@ -149,6 +149,7 @@ def test_staleness_one_is_on_policy_every_ratio_is_exactly_one(micro_model_dir, 
     assert any(m["grad_norm"] > 0 for m in metrics)
 
 
+@pytest.mark.numerics
 def test_kl_mismatch_reads_the_samplers_numbers_against_the_learners(micro_model_dir, tmp_path):
     """kl_mismatch is the k3-KL of the sampler's log-probs against the trainer's for the same policy:
     fp32 sampling gives the learner's numbers up to rounding; bf16 scoring moves them."""
@@ -165,6 +166,7 @@ def test_kl_mismatch_reads_the_samplers_numbers_against_the_learners(micro_model
 
 
 # ---------------------------------------------------------------------- 2. asynchronous lag
+@pytest.mark.numerics
 def test_async_fixed_lag_schedule_bounds_lag_and_uses_generation_logprobs(
     micro_model_dir, tmp_path, monkeypatch
 ):
@@ -217,6 +219,7 @@ def independent_logprobs(model, batch) -> torch.Tensor:
     return torch.log_softmax(logits[:, -width - 1 : -1], -1).gather(-1, ids[:, -width:, None]).squeeze(-1)
 
 
+@pytest.mark.numerics
 def test_async_worker_stays_within_max_lag_and_its_logprobs_are_those_of_the_version_it_claims(
     micro_model_dir, tmp_path, monkeypatch
 ):
@@ -257,6 +260,7 @@ def test_async_worker_stays_within_max_lag_and_its_logprobs_are_those_of_the_ver
     assert distinguished >= 6  # the check tells versions apart (lr 1e-2 moves the weights)
 
 
+@pytest.mark.numerics
 def test_bf16_rollout_mismatch_feeds_the_correction_weights(micro_model_dir, tmp_path):
     # N = 1: the learner's ratio is exactly 1, but the bf16 sampler's log-probs differ from the
     # fp32 learner's, so the truncated-IS weight pi_old / pi_rollout is not 1.
@@ -277,6 +281,7 @@ def test_bf16_rollout_mismatch_feeds_the_correction_weights(micro_model_dir, tmp
         )
 
 
+@pytest.mark.numerics
 def test_reject_with_tis_from_the_command_line_drops_the_tokens_past_its_bound(micro_model_dir, tmp_path):
     # bf16 sampler vs fp32 learner: token |log rho| ~ 1e-3, so k3 = rho - 1 - log rho ~ 5e-7.
     # A bound of 2e-7 rejects some tokens, not all; a bound of 1 rejects none. TIS still weighs
@@ -330,6 +335,7 @@ def recording_loss(monkeypatch, calls: list):
     monkeypatch.setattr(trainer_module, "build_method_loss", build)
 
 
+@pytest.mark.numerics
 def test_decoupled_objective_is_the_behaviour_weighted_policy_gradient(
     micro_model_dir, tmp_path, monkeypatch
 ):
@@ -632,6 +638,7 @@ def test_run_directory_holds_config_metrics_checkpoints_final_summary_and_plot(m
 LEARNING_MARGIN = 0.02  # about a third of the smallest gain measured over seeds x ISAs (0.057)
 
 
+@pytest.mark.numerics
 def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
     """The embedded tiny Qwen2 on single-digit addition, after a fixed 100-step warm start
     (cached in a temporary directory): 60 on-policy steps of VESPO raise the mean reward of the

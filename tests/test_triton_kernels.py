@@ -21,7 +21,11 @@ import softtrust
 
 from budgets import EPS32, rounding_budget
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.numerics,  # the interpreted kernels against the PyTorch tile ops, in float32 and bf16
+    pytest.mark.costly,
+]
 
 SCRIPT = r"""
 import json, os, warnings, torch

@@ -190,6 +190,7 @@ def assert_same_training(trl_trainer, st_trainer, config) -> None:
         torch.testing.assert_close(other, parameter, atol=budget, rtol=0, msg=name)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_trainer_matches_trl_losses_and_parameters_for_every_loss_type(tmp_path, loss_type, level):
@@ -210,6 +211,7 @@ def test_trainer_matches_trl_losses_and_parameters_for_every_loss_type(tmp_path,
     assert min(ratio_min[1:]) < 0.97 and max(ratio_max[1:]) > 1.02
 
 
+@pytest.mark.numerics
 def test_trainer_matches_trl_with_a_k3_kl_in_training_and_evaluation(tmp_path):
     config = grpo_config(
         tmp_path, loss_type="dapo", beta=0.5, epsilon_high=0.28, per_device_eval_batch_size=B
@@ -252,6 +254,8 @@ def test_trainer_matches_trl_with_a_k3_kl_in_training_and_evaluation(tmp_path):
     assert st_loss == pytest.approx(direct.loss.item(), abs=1e-6)  # the same float32 code (measured 0)
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_parity_check_detects_a_different_loss(tmp_path):
     """The comparison above can fail: TRL's dapo vs a softtrust loss that differs only in aggregation."""
     config = grpo_config(tmp_path, loss_type="dapo", epsilon_high=0.28)
@@ -365,6 +369,8 @@ def check_against_direct_calls(trainer, fresh_policy_loss: st.PolicyLoss, steps:
     assert drift > 0.05  # some micro-batches were off-policy: |Σ_t log r_t| > 0.05 for some sequence
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 @pytest.mark.parametrize("case", list(NEW_METHODS))
 def test_methods_trl_lacks_train_and_match_a_direct_policy_loss_call(tmp_path, case):
     make_loss, overrides = NEW_METHODS[case]

@@ -25,6 +25,8 @@ from softtrust.integrations.trl_config import from_trl_config, trl_normalisers
 from budgets import EPS32, F64_PARITY, rounding_budget
 from trl_oracle import make_trl_trainer, trl_loss_and_grad
 
+pytestmark = pytest.mark.numerics  # peer parity: the outcome depends on float paths
+
 B, T = 4, 8  # the harness's per_device_train_batch_size and max_completion_length
 GA, SPG = 2, 4  # gradient accumulation < steps_per_generation: samples are really off-policy
 

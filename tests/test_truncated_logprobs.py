@@ -25,6 +25,10 @@ from softtrust.truncation import (
 
 from budgets import EPS32, rounding_budget
 
+pytestmark = (
+    pytest.mark.numerics
+)  # the truncated log-prob kernels against a float64 oracle: the outcome depends on float paths
+
 N, D, V = 37, 16, 101  # prime: no chunk size divides them
 # float32 against the float64 oracle: each value sums <= V = 101 exponentials, ~eps32·√V of its
 # size; ×10 margin ≈ 1.2e-5, relative above 1, absolute below (test_logprobs.FP32_TOL)

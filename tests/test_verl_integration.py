@@ -118,6 +118,7 @@ def test_verl_field_table_names_real_parameters():
         assert set(st_verl.VERL_FIELDS[name]) <= fields, name
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("case", DATA["cases"], ids=[case_id(c) for c in DATA["cases"]])
 def test_softtrust_loss_mode_matches_recorded_peer(case):
     """softtrust.<method> through verl's registry, configured by verl's fields, equals the peer."""
@@ -154,6 +155,7 @@ def test_softtrust_loss_mode_matches_recorded_peer(case):
         torch.testing.assert_close(peer_grad, expected_grad, atol=F64_PARITY, rtol=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_vespo_folds_a_sequence_weight_once():
     """A sequence-level weight arrives repeated on every token: VESPO adds log w_i once, not n_i times."""
     correction = {"kind": "TIS", "cap": 2.0, "level": "sequence"}
@@ -177,6 +179,7 @@ def test_vespo_folds_a_sequence_weight_once():
     assert abs(token_loss.item() - loss.item()) > 1e-3
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("method", "mode", "fields", "aggregations"),
     [
@@ -246,6 +249,7 @@ def test_vespo_refuses_weights_of_unknown_level():
 ADDITIVE = sorted(name for name, cls in st.METHODS.items() if cls.batch_state is st.Method.batch_state)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ADDITIVE)
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
 def test_micro_batches_and_ranks_add_up_to_the_batch(method, aggregation):
@@ -357,6 +361,7 @@ def test_hydra_override_example_from_the_docs():
     get_policy_loss_fn(actor.policy_loss.loss_mode)  # registered under that name
 
 
+@pytest.mark.numerics
 def test_verl_ppo_loss_step_with_softtrust_vespo():
     """verl's own actor loss step (workers.utils.losses.ppo_loss, what the FSDP engine calls per
     micro-batch) with loss_mode=softtrust.vespo: global_batch_info comes from the batch, the
@@ -439,6 +444,7 @@ def test_a_verl_of_another_layout_warns_at_load(tmp_path):
     assert "RuntimeWarning" in out.stderr
 
 
+@pytest.mark.numerics
 def test_rejected_weights_stay_zero_with_a_small_log_ratio_clamp():
     """IcePop's zero weights are exact zeros also when log_ratio_clamp is small (e^-5 is not 1e-8)."""
     (case,) = [
