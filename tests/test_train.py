@@ -645,9 +645,10 @@ def test_short_run_raises_mean_reward_on_easy_task(tmp_path):
     last 10 steps above the first 10 by more than ``LEARNING_MARGIN``.
 
     Measured gains (this computation, seeds 0-4 under ATEN_CPU_CAPABILITY=default, avx2 and
-    avx512; 2 threads give the 1-thread runs bit for bit): 0.057-0.21, median 0.11. Each float
-    path is another trajectory (rounding changes a sampled token, then everything after it), so
-    the margin is set from the spread over seeds and instruction sets, not from one run. It
+    avx512, 1 thread; with 2 threads seeds 0 and 1 gave the same runs bit for bit): 0.057-0.21,
+    median 0.11. Each float path is another trajectory (rounding changes a sampled token, then
+    everything after it), so the margin is set from the spread over seeds and instruction sets,
+    not from one run. It
     fails a trainer that lowers the reward (a flipped advantage sign, a wrong-signed loss); the
     same statistic for a run without updates (lr 1e-12, same problems and draws) lay in
     -0.05..0.05, so one short run cannot tell no learning from little: multi-seed figures
