@@ -7,6 +7,8 @@ import torch
 
 import softtrust as st
 
+pytestmark = pytest.mark.numerics  # closed forms: the outcome depends on float paths
+
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 0.0, 1.0], dtype=torch.float64)  # groups of 4
 
 

@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -109,6 +110,8 @@ def test_logprob_reading_skips_small_vocabularies():
 # ---- benchmarks/bench_gpu.py --------------------------------------------------------------
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_gpu_benchmark_correctness_check_passes_on_cpu_and_can_fail(monkeypatch):
     """The device check's verdicts: all within tolerance for the real kernel, FAILED for a broken one."""
     import bench_gpu

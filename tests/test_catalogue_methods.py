@@ -10,6 +10,7 @@ import torch
 import softtrust as st
 from softtrust.methods.reweighting import binary_kl
 
+from budgets import F64_ABS, F64_GRADIENT, F64_PARITY
 from expected_methods import expected_loss
 from helpers import loss_and_grad, random_batch
 
@@ -50,12 +51,13 @@ TV_CASES = [
 ]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("p_old", "p", "advantage", "valid"), TV_CASES)
 def test_dppo_tv_masks_tokens_that_moved_too_far_in_the_update_direction(p_old, p, advantage, valid):
     loss, grad, metrics = one_token("dppo", p_old, p, advantage)
     weight = min(p / p_old, 20.0) * valid
-    assert loss == pytest.approx(-weight * advantage * math.log(p), rel=1e-12)
-    assert grad == pytest.approx(-weight * advantage, rel=1e-12)
+    assert loss == pytest.approx(-weight * advantage * math.log(p), rel=F64_PARITY)
+    assert grad == pytest.approx(-weight * advantage, rel=F64_PARITY)
     assert metrics["dppo/masked"] == (0.0 if valid else 1.0)
 
 
@@ -71,22 +73,26 @@ KL_CASES = [
 ]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("p_old", "p", "advantage"), KL_CASES)
 def test_dppo_binary_kl_validity_rule(p_old, p, advantage):
     divergence = bernoulli_kl(p_old, p)
     moved_against_the_update = p <= p_old if advantage > 0 else p >= p_old
     valid = divergence <= 0.05 or moved_against_the_update
     _, grad, metrics = one_token("dppo", p_old, p, advantage, divergence="binary-kl")
-    assert grad == pytest.approx(-min(p / p_old, 20.0) * valid * advantage, rel=1e-12)
+    assert grad == pytest.approx(-min(p / p_old, 20.0) * valid * advantage, rel=F64_PARITY)
     assert metrics["dppo/masked"] == (0.0 if valid else 1.0)
 
 
+@pytest.mark.numerics
 def test_binary_kl_closed_form_and_edges():
     q = torch.tensor([0.5, 0.99, 1e-5, 0.3, 0.7, 1.0], dtype=torch.float64)
     p = torch.tensor([0.75, 0.8, 1e-3, 0.3, 1.0, 0.5], dtype=torch.float64)
     got = binary_kl(torch.log(q), torch.log(p))
     expected = [bernoulli_kl(a, b) for a, b in zip(q.tolist()[:4], p.tolist()[:4], strict=True)]
-    torch.testing.assert_close(got[:4], torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(
+        got[:4], torch.tensor(expected, dtype=torch.float64), rtol=F64_PARITY, atol=F64_ABS
+    )
     assert got[4] == math.inf  # all mass moved onto the token
     assert got[5] == pytest.approx(math.log(2.0))  # p_old = 1: the 0·log 0 term is 0, not NaN
 
@@ -104,15 +110,17 @@ def test_dppo_token_at_probability_one_is_finite():
 # --- DRO, TOPR --------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("p_old", "p", "advantage"), [(0.5, 0.7, 1.3), (0.2, 0.1, -0.6), (0.4, 0.4, 0.9)])
 def test_dro_value_and_gradient(p_old, p, advantage):
     beta = 0.3
     loss, grad, _ = one_token("dro", p_old, p, advantage, beta=beta)
     log_r = math.log(p / p_old)
-    assert loss == pytest.approx(-(advantage * math.log(p) - beta / 2 * log_r**2), rel=1e-12)
-    assert grad == pytest.approx(-(advantage - beta * log_r), rel=1e-12)
+    assert loss == pytest.approx(-(advantage * math.log(p) - beta / 2 * log_r**2), rel=F64_PARITY)
+    assert grad == pytest.approx(-(advantage - beta * log_r), rel=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_topr_weights_negative_sequences_by_their_clipped_sequence_ratio():
     logprobs = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -0.5, -2.0], [-1.0, -0.5, -2.0]], dtype=torch.float64)
     old = logprobs + torch.tensor([[0.2, 0.1, 0.0], [-0.3, -0.4, 0.0], [0.2, 0.1, 0.0]], dtype=torch.float64)
@@ -125,7 +133,7 @@ def test_topr_weights_negative_sequences_by_their_clipped_sequence_ratio():
     expected = torch.tensor(
         [[-w * a] * 3 for w, a in zip(weights, advantages.tolist(), strict=True)], dtype=torch.float64
     )
-    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, expected, rtol=F64_PARITY, atol=F64_ABS)
 
 
 # --- KL-Cov -----------------------------------------------------------------------------------------
@@ -139,6 +147,7 @@ def covariance(logprobs, advantages, mask):
     return cov
 
 
+@pytest.mark.numerics
 def test_kl_cov_penalises_exactly_the_top_k_covariance_tokens():
     logprobs, old, advantages, mask = random_batch(batch=6, length=8, seed=5, spread=0.4)
     ratio = 0.1
@@ -154,10 +163,11 @@ def test_kl_cov_penalises_exactly_the_top_k_covariance_tokens():
     )  # -A·r, unclipped
     log_r = logprobs - old
     expected_grad = out_plain[1] + torch.where(top, torch.sign(log_r), 0.0)
-    torch.testing.assert_close(out_cov[1], expected_grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out_cov[1], expected_grad, rtol=F64_PARITY, atol=F64_ABS)
     assert out_cov[2]["cov/selected"] == pytest.approx(k / mask.sum().item())
 
 
+@pytest.mark.numerics
 def test_kl_cov_micro_batches_need_the_global_state():
     """Selected per micro-batch (what a per-micro-batch peer call does), the batch's top-k is not kept."""
     logprobs, old, advantages, mask = random_batch(batch=8, length=6, seed=6, spread=0.4)
@@ -169,7 +179,7 @@ def test_kl_cov_micro_batches_need_the_global_state():
         for r in (slice(0, 4), slice(4, 8))
     )
     local = sum(loss_fn(logprobs[r], old[r], advantages[r], mask[r]).loss for r in (slice(0, 4), slice(4, 8)))
-    assert with_state.item() == pytest.approx(whole.item(), rel=1e-12)
+    assert with_state.item() == pytest.approx(whole.item(), rel=F64_PARITY)
     assert local.item() != pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -180,6 +190,7 @@ def clip_cov_batch():
     return random_batch(batch=8, length=10, seed=7, spread=0.3)
 
 
+@pytest.mark.numerics
 def test_clip_cov_picks_min_k_candidates_and_zeroes_only_them():
     batch = clip_cov_batch()
     logprobs, old, advantages, mask = batch
@@ -197,7 +208,7 @@ def test_clip_cov_picks_min_k_candidates_and_zeroes_only_them():
     reference = torch.where(mask, -a * ratio * (unclipped >= clipped), 0.0)  # PPO's gradient: -r·A unclipped
     zeroed = (grad == 0) & (reference != 0)
     assert zeroed.sum() == k and bool((zeroed <= candidates).all())
-    torch.testing.assert_close(torch.where(zeroed, 0.0, reference), grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.where(zeroed, 0.0, reference), grad, rtol=F64_PARITY, atol=F64_ABS)
     assert metrics["cov/picked"] * mask.sum().item() == pytest.approx(k)
 
 
@@ -212,13 +223,14 @@ def test_clip_cov_pick_is_reproducible_from_the_seed_and_changes_with_it():
     assert any(not torch.equal(grad(1), grad(seed)) for seed in range(2, 6))
 
 
+@pytest.mark.numerics
 def test_clip_cov_micro_batches_with_the_state_reproduce_the_whole_pick():
     batch = clip_cov_batch()
     loss_fn = st.PolicyLoss(st.ClipCov(ratio=0.05, cov_low=0.05), aggregation="token-sum")
     state = loss_fn.batch_state(*batch, generator=torch.Generator().manual_seed(3))
     whole, whole_grad, _ = loss_and_grad(loss_fn, *batch, state=state)
     parts = [loss_and_grad(loss_fn, *(x[r] for x in batch), state=state) for r in (slice(0, 3), slice(3, 8))]
-    assert sum(p[0].item() for p in parts) == pytest.approx(whole.item(), rel=1e-12)
+    assert sum(p[0].item() for p in parts) == pytest.approx(whole.item(), rel=F64_PARITY)
     torch.testing.assert_close(torch.cat([p[1] for p in parts]), whole_grad, rtol=0, atol=0)
 
 
@@ -251,6 +263,7 @@ def test_catalogue_token_methods_refuse_sequence_levels(method):
         st.PolicyLoss(method, level="sequence-mean")
 
 
+@pytest.mark.numerics
 def test_clip_cov_table_formula_with_a_real_pick():
     """The table's independent statement of the keyed pick (tests/expected_methods.py), with k < #candidates."""
     logprobs, old, advantages, mask = clip_cov_batch()
@@ -260,10 +273,12 @@ def test_clip_cov_table_formula_with_a_real_pick():
     leaf = logprobs.clone().requires_grad_(True)
     expected = expected_loss(loss_fn.method, "token", "token-mean", leaf, old, advantages, mask)
     (expected_grad,) = torch.autograd.grad(expected, leaf)
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
-    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
+    assert loss.item() == pytest.approx(expected.item(), rel=F64_PARITY)
+    torch.testing.assert_close(grad, expected_grad, rtol=F64_GRADIENT, atol=F64_ABS)
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_clip_cov_compiles_with_a_state_drawn_from_a_generator():
     """A Generator cannot enter a fullgraph compile: draw the state eagerly, pass it to the compiled loss."""
     batch = clip_cov_batch()
@@ -274,8 +289,8 @@ def test_clip_cov_compiles_with_a_state_drawn_from_a_generator():
     loss, grad, metrics = loss_and_grad(loss_fn, *batch, state=state)
     loss_c, grad_c, _ = loss_and_grad(compiled, *batch, state=state)
     assert metrics["cov/picked"] > 0
-    assert loss_c.item() == pytest.approx(loss.item(), rel=1e-12)
-    torch.testing.assert_close(grad_c, grad, rtol=1e-12, atol=1e-14)
+    assert loss_c.item() == pytest.approx(loss.item(), rel=F64_PARITY)
+    torch.testing.assert_close(grad_c, grad, rtol=F64_PARITY, atol=F64_ABS)
 
 
 def test_selection_size_is_the_float64_floor_even_for_float32_inputs():

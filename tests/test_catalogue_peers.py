@@ -17,7 +17,10 @@ import torch
 
 import softtrust as st
 
+from budgets import F64_PARITY, VERL_EPSILON
 from helpers import loss_and_grad
+
+pytestmark = pytest.mark.numerics  # peer parity: the outcome depends on float paths
 
 RECORDING = json.loads((Path(__file__).parent / "data" / "catalogue_peer_losses.json").read_text())
 INPUTS = {
@@ -42,8 +45,10 @@ def test_softtrust_matches_verl_recording(case):
         loss_fn, INPUTS["logprobs"], INPUTS["old_logprobs"], INPUTS["advantages"], INPUTS["mask"]
     )
     assert loss.dtype == torch.float64
-    assert loss.item() == pytest.approx(case["loss"], abs=1e-6, rel=0)
-    torch.testing.assert_close(grad, torch.tensor(case["grad"], dtype=torch.float64), atol=1e-6, rtol=0)
+    # float64 parity, and verl's 1e-8 added to its token counts (budgets.VERL_EPSILON)
+    assert loss.item() == pytest.approx(case["loss"], abs=F64_PARITY, rel=VERL_EPSILON)
+    expected_grad = torch.tensor(case["grad"], dtype=torch.float64)
+    torch.testing.assert_close(grad, expected_grad, atol=F64_PARITY, rtol=VERL_EPSILON)
     if case["method"] in ACTIVE:
         assert 0 < metrics[ACTIVE[case["method"]]] < 1
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as hs
 
 import softtrust as st
 
+from budgets import F32_METRIC, F64_ABS, F64_GRADIENT, F64_PARITY
 from helpers import loss_and_grad, method_level_pairs, random_batch
 
 CORRECTIONS = [
@@ -57,6 +58,7 @@ def test_masked_positions_never_matter(method, level, correction, poison):
 # --- micro-batches with the global normaliser reproduce the whole batch ----------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
 @pytest.mark.parametrize("method", list(st.METHODS))
 def test_micro_batches_with_global_normaliser_reproduce_whole_batch(method, aggregation):
@@ -79,8 +81,8 @@ def test_micro_batches_with_global_normaliser_reproduce_whole_batch(method, aggr
         )
         total += loss.item()
         grads.append(grad)
-    assert total == pytest.approx(whole_loss.item(), rel=1e-12, abs=1e-12)
-    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=1e-12, atol=1e-14)
+    assert total == pytest.approx(whole_loss.item(), rel=F64_PARITY, abs=F64_PARITY)
+    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=F64_PARITY, atol=F64_ABS)
 
 
 def test_averaging_local_token_means_is_not_the_global_token_mean():
@@ -95,6 +97,7 @@ def test_averaging_local_token_means_is_not_the_global_token_mean():
     assert local / 2 != pytest.approx(whole)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("aggregation", "expected"),
     [
@@ -109,9 +112,10 @@ def test_aggregation_closed_forms(aggregation, expected):
     logprobs, _, advantages, mask = random_batch(seed=15)
     out = st.PolicyLoss("reinforce", aggregation=aggregation)(logprobs, None, advantages, mask)
     per_token = -advantages[:, None] * logprobs * mask
-    assert out.loss.item() == pytest.approx(expected(per_token, mask.double()).item(), rel=1e-12)
+    assert out.loss.item() == pytest.approx(expected(per_token, mask.double()).item(), rel=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
 def test_aggregate_reads_no_host_values_so_vmap_batches_it(aggregation):
     """``st.aggregate`` stays a pure tensor function (no ``.item()``): vmap over a stack of
@@ -129,6 +133,7 @@ def test_aggregate_reads_no_host_values_so_vmap_batches_it(aggregation):
 # --- corrections -----------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_tis_weight_multiplies_the_per_token_loss():
     logprobs, old, advantages, mask = random_batch(seed=16)
     rollout = old + 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1), dtype=old.dtype)
@@ -141,6 +146,7 @@ def test_tis_weight_multiplies_the_per_token_loss():
     assert metrics["is_weight/max"] <= 1.3 + 1e-6
 
 
+@pytest.mark.numerics
 def test_sequence_mis_drops_sequences_outside_the_band():
     logprobs, old, advantages, mask = random_batch(batch=3, length=4, seed=17, active=1.0)
     rollout = old.clone()
@@ -152,6 +158,7 @@ def test_sequence_mis_drops_sequences_outside_the_band():
     torch.testing.assert_close(grad, expected.expand_as(grad))
 
 
+@pytest.mark.numerics
 def test_opsm_drops_only_negative_samples_that_drifted():
     logprobs = torch.zeros(3, 2, dtype=torch.float64)
     old = torch.tensor([[0.8, 0.8], [0.8, 0.8], [0.1, 0.1]], dtype=torch.float64)  # mean drift 0.8, 0.8, 0.1
@@ -164,6 +171,7 @@ def test_opsm_drops_only_negative_samples_that_drifted():
     assert metrics["opsm/dropped"] == pytest.approx(1 / 3)  # counted per sequence
 
 
+@pytest.mark.numerics
 def test_vespo_folds_the_correction_into_w():
     logprobs, old, advantages, mask = random_batch(seed=18)
     rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2), dtype=old.dtype)
@@ -184,6 +192,7 @@ def test_importance_correction_requires_rollout_logprobs():
 # --- KL --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("estimator", "formula"),
     [
@@ -197,9 +206,10 @@ def test_kl_estimators_closed_form(estimator, formula):
     ref = torch.tensor([[-1.5, -0.1, -2.0]], dtype=torch.float64)
     values = st.kl_estimate(logprobs, ref, estimator)
     expected = [formula(r - lp) for lp, r in zip(logprobs[0].tolist(), ref[0].tolist(), strict=True)]
-    assert values[0].tolist() == pytest.approx(expected, abs=1e-14)
+    assert values[0].tolist() == pytest.approx(expected, abs=F64_ABS)
 
 
+@pytest.mark.numerics
 def test_kl_term_adds_coef_times_k3_and_its_gradient():
     logprobs, _, advantages, mask = random_batch(seed=19)
     ref = logprobs + 0.4
@@ -212,7 +222,7 @@ def test_kl_term_adds_coef_times_k3_and_its_gradient():
     torch.testing.assert_close(
         grad1 - grad0, 0.3 * (1 - math.exp(0.4)) * mask.double()
     )  # dk3/dlogp = 1 - e^d
-    assert metrics["kl"] == pytest.approx(k3, rel=1e-6)
+    assert metrics["kl"] == pytest.approx(k3, rel=F32_METRIC)
 
 
 def test_kl_k3_never_overflows():
@@ -221,6 +231,7 @@ def test_kl_k3_never_overflows():
     assert torch.isfinite(st.kl_estimate(logprobs, ref, "k3")).all()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("check_values", [True, False])
 def test_token_log_ratio_clamp_keeps_the_gradient_inside_and_zeroes_it_beyond(check_values):
     """PSPO's ℓ = -((1-α)·r + α)·A has slope -(1-α)·r·A in logp: exact inside ±c, zero beyond
@@ -237,7 +248,9 @@ def test_token_log_ratio_clamp_keeps_the_gradient_inside_and_zeroes_it_beyond(ch
     ratio = torch.exp(log_r.clamp(-clamp, clamp))
     assert loss.item() == pytest.approx((-((1 - alpha) * ratio + alpha) * 2.0).sum().item())
     inside = -(1 - alpha) * ratio * 2.0
-    assert grad[0].tolist() == pytest.approx([inside[0, 0].item(), inside[0, 1].item(), 0.0, 0.0], abs=1e-12)
+    assert grad[0].tolist() == pytest.approx(
+        [inside[0, 0].item(), inside[0, 1].item(), 0.0, 0.0], abs=F64_PARITY
+    )
 
 
 def test_clamp_log_ratio_has_clamp_values_and_a_slope_of_one_strictly_inside():
@@ -248,6 +261,7 @@ def test_clamp_log_ratio_has_clamp_values_and_a_slope_of_one_strictly_inside():
     assert x.grad.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.numerics
 def test_importance_corrected_kl_multiplies_by_token_ratio():
     logprobs, old, advantages, mask = random_batch(seed=20)
     ref = logprobs - 0.3
@@ -261,6 +275,7 @@ def test_importance_corrected_kl_multiplies_by_token_ratio():
     assert kl_corrected.item() == pytest.approx((k3 * torch.exp(logprobs - old) * mask).sum().item())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("estimator", st.KL_ESTIMATORS)
 @pytest.mark.parametrize("method", list(st.METHODS))
 def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, estimator):
@@ -286,12 +301,13 @@ def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, es
         leaf = logprobs.clone().requires_grad_(True)
         term = estimate(leaf) * (torch.exp(leaf - old) if corrected else 1.0)
         (expected,) = torch.autograd.grad((0.3 * term * m).sum(), leaf)
-        torch.testing.assert_close(grad - policy_grad, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad - policy_grad, expected, rtol=F64_GRADIENT, atol=F64_PARITY)
 
 
 # --- metrics ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_clip_fractions_count_the_tokens_whose_gradient_is_zeroed():
     logprobs = torch.zeros(2, 3, dtype=torch.float64)
     ratios = torch.tensor([[1.5, 1.0, 0.5], [1.5, 1.0, 0.5]], dtype=torch.float64)
@@ -304,6 +320,7 @@ def test_clip_fractions_count_the_tokens_whose_gradient_is_zeroed():
     assert metrics["ratio/min"] == pytest.approx(0.5)
 
 
+@pytest.mark.numerics
 def test_ess_is_one_for_equal_weights_and_one_over_n_for_a_single_dominant_weight():
     logprobs = torch.zeros(4, 2, dtype=torch.float64)
     advantages = torch.ones(4, dtype=torch.float64)
@@ -313,7 +330,7 @@ def test_ess_is_one_for_equal_weights_and_one_over_n_for_a_single_dominant_weigh
     old = torch.zeros(4, 2, dtype=torch.float64)
     old[0] = -15.0  # W_0 = e^30 dominates
     dominated = st.PolicyLoss("vespo")(logprobs, old, advantages, mask).metric_values()
-    assert dominated["ess"] == pytest.approx(0.25, rel=1e-6)
+    assert dominated["ess"] == pytest.approx(0.25, rel=F32_METRIC)
     assert dominated["seq_log_weight/max"] == pytest.approx(30.0)
 
 
@@ -370,6 +387,7 @@ def test_batch_with_no_active_token_gives_zero_loss_and_gradient(method, level):
         assert torch.all(grad == 0)
 
 
+@pytest.mark.numerics
 def test_empty_row_contributes_nothing():
     logprobs, old, advantages, mask = random_batch(seed=22)
     loss_fn = st.PolicyLoss("gspo", aggregation="token-mean")
@@ -549,6 +567,7 @@ def test_error_global_count_not_a_positive_finite_number(name, value):
         st.PolicyLoss("clip")(logprobs, old, advantages, mask, **{name: value})
 
 
+@pytest.mark.numerics
 def test_fractional_global_count_is_accepted():
     logprobs, old, advantages, mask = good_inputs()
     loss_fn = st.PolicyLoss("reinforce", aggregation="token-sum")
@@ -612,6 +631,7 @@ def test_error_check_values_not_a_bool():
         st.PolicyLoss("clip", check_values="yes")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", ["clip", "gspo", "sapo", "pspo", "cfpo"])
 def test_gspo_token_level_equals_sequence_mean_unless_a_factor_varies_within_a_row(method):
     """sequence-mean-token (GSPO-token) has sequence-mean's value; its gradient differs only with a per-token factor.
@@ -633,13 +653,16 @@ def test_gspo_token_level_equals_sequence_mean_unless_a_factor_varies_within_a_r
         )
         weighted[level] = loss_and_grad(loss_fn, logprobs, old, advantages, mask, rollout_logprobs=rollout)
     (value_mean, grad_mean, _), (value_token, grad_token, _) = plain.values()
-    assert value_token.item() == pytest.approx(value_mean.item(), abs=1e-12)
-    torch.testing.assert_close(grad_token, grad_mean, atol=1e-12, rtol=1e-12)
+    assert value_token.item() == pytest.approx(value_mean.item(), abs=F64_PARITY)
+    torch.testing.assert_close(grad_token, grad_mean, atol=F64_PARITY, rtol=F64_PARITY)
 
     m = mask.double()
     w = torch.exp(old - rollout).clamp(max=2.0) * m  # token TIS weights, cap 2
     row_mean_weight = w.sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
     (value_mean, grad_mean, _), (value_token, grad_token, _) = weighted.values()
-    assert value_token.item() == pytest.approx(value_mean.item(), abs=1e-12)
-    torch.testing.assert_close(grad_token, grad_mean * w / row_mean_weight, atol=1e-12, rtol=1e-9)
+    assert value_token.item() == pytest.approx(value_mean.item(), abs=F64_PARITY)
+    # the expected side divides by a row mean of exp/clamp values: F64_GRADIENT (1e-10)
+    torch.testing.assert_close(
+        grad_token, grad_mean * w / row_mean_weight, atol=F64_PARITY, rtol=F64_GRADIENT
+    )
     assert (grad_token - grad_mean).abs().max() > 1e-4

@@ -11,6 +11,7 @@ import torch
 
 import softtrust as st
 
+from budgets import F64_GRADIENT, F64_PARITY
 from helpers import loss_and_grad, method_level_pairs, random_batch, single_token
 
 RATIOS = [0.3, 0.7, 0.95, 1.0, 1.1, 1.5, 4.0]
@@ -24,6 +25,7 @@ def sech2(x: float) -> float:
 # --- every method is the plain policy gradient on-policy -------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("aggregation", st.AGGREGATIONS)
 @pytest.mark.parametrize(("method", "level"), method_level_pairs())
 def test_every_method_gradient_equals_policy_gradient_at_ratio_one(method, level, aggregation):
@@ -37,7 +39,7 @@ def test_every_method_gradient_equals_policy_gradient_at_ratio_one(method, level
         zeroed = (grad == 0) & (expected != 0)
         assert zeroed.sum() == 1
         expected = torch.where(zeroed, 0.0, expected)
-    torch.testing.assert_close(grad, scale * expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, scale * expected, rtol=F64_PARITY, atol=F64_PARITY)
     assert grad.abs().sum() > 0
 
 
@@ -53,17 +55,19 @@ def test_on_policy_none_old_logprobs_means_ratio_one():
 # --- Clip, dual-clip, delta ------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_clip_value_and_gradient_closed_form(ratio, advantage):
     eps_low, eps_high = 0.2, 0.28
     loss, grad = single_token("clip", math.log(ratio), advantage, eps_low=eps_low, eps_high=eps_high)
     clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
-    assert loss == pytest.approx(-min(ratio * advantage, clipped * advantage), abs=1e-12)
+    assert loss == pytest.approx(-min(ratio * advantage, clipped * advantage), abs=F64_PARITY)
     gradient_flows = (advantage > 0 and ratio < 1 + eps_high) or (advantage < 0 and ratio > 1 - eps_low)
-    assert grad == pytest.approx(-ratio * advantage if gradient_flows else 0.0, abs=1e-12)
+    assert grad == pytest.approx(-ratio * advantage if gradient_flows else 0.0, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("ratio", "expected_loss", "expected_grad"),
     [
@@ -74,8 +78,8 @@ def test_clip_value_and_gradient_closed_form(ratio, advantage):
 )
 def test_dual_clip_caps_negative_advantage_loss_at_c(ratio, expected_loss, expected_grad):
     loss, grad = single_token("clip", math.log(ratio), -1.0, dual_clip=3.0)
-    assert loss == pytest.approx(expected_loss, abs=1e-12)
-    assert grad == pytest.approx(expected_grad, abs=1e-12)
+    assert loss == pytest.approx(expected_loss, abs=F64_PARITY)
+    assert grad == pytest.approx(expected_grad, abs=F64_PARITY)
 
 
 def test_dual_clip_never_touches_positive_advantages():
@@ -85,6 +89,7 @@ def test_dual_clip_never_touches_positive_advantages():
         )
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("ratio", "advantage", "expected_loss", "expected_grad"),
     [
@@ -95,10 +100,11 @@ def test_dual_clip_never_touches_positive_advantages():
 )
 def test_delta_caps_the_unclipped_ratio(ratio, advantage, expected_loss, expected_grad):
     loss, grad = single_token("clip", math.log(ratio), advantage, delta=4.0)
-    assert loss == pytest.approx(expected_loss, abs=1e-12)
-    assert grad == pytest.approx(expected_grad, abs=1e-12)
+    assert loss == pytest.approx(expected_loss, abs=F64_PARITY)
+    assert grad == pytest.approx(expected_grad, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_gspo_is_clip_on_geometric_mean_ratio():
     logprobs, old, advantages, mask = random_batch(seed=5, spread=0.01)
     gspo = st.PolicyLoss("gspo", aggregation="seq-mean-token-mean")
@@ -108,7 +114,7 @@ def test_gspo_is_clip_on_geometric_mean_ratio():
     s = log_s.exp()
     clipped = s.clamp(1 - 3e-4, 1 + 4e-4)
     per_seq = -torch.minimum(s * advantages, clipped * advantages)
-    assert loss.item() == pytest.approx(per_seq.mean().item(), abs=1e-12)
+    assert loss.item() == pytest.approx(per_seq.mean().item(), abs=F64_PARITY)
     flows = torch.where(advantages > 0, s < 1 + 4e-4, s > 1 - 3e-4)
     expected = torch.where(flows, -s * advantages, 0)[:, None] * m / m.sum(-1, keepdim=True) / len(s)
     torch.testing.assert_close(grad, expected)
@@ -117,22 +123,25 @@ def test_gspo_is_clip_on_geometric_mean_ratio():
 # --- CISPO -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", [*RATIOS, 7.0])
 def test_cispo_weight_is_clipped_and_detached(ratio, advantage):
     loss, grad = single_token("cispo", math.log(ratio), advantage, ratio_high=5.0)
-    assert loss == pytest.approx(0.0, abs=1e-12)  # ℓ = -w·A·logp and logp = 0 here
-    assert grad == pytest.approx(-min(ratio, 5.0) * advantage, abs=1e-12)
+    assert loss == pytest.approx(0.0, abs=F64_PARITY)  # ℓ = -w·A·logp and logp = 0 here
+    assert grad == pytest.approx(-min(ratio, 5.0) * advantage, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 def test_cispo_lower_bound_raises_small_weights():
     _, grad = single_token("cispo", math.log(0.3), 1.0, ratio_low=0.8)
-    assert grad == pytest.approx(-0.8, abs=1e-12)
+    assert grad == pytest.approx(-0.8, abs=F64_PARITY)
 
 
 # --- SAPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_sapo_value_and_sech2_gradient_weight(ratio, advantage):
@@ -140,8 +149,8 @@ def test_sapo_value_and_sech2_gradient_weight(ratio, advantage):
     loss, grad = single_token("sapo", math.log(ratio), advantage)
     tau = tau_pos if advantage > 0 else tau_neg
     sigmoid = 1 / (1 + math.exp(-tau * (ratio - 1)))
-    assert loss == pytest.approx(-(4 / tau) * sigmoid * advantage, abs=1e-12)
-    assert grad == pytest.approx(-sech2(tau * (ratio - 1) / 2) * ratio * advantage, abs=1e-12)
+    assert loss == pytest.approx(-(4 / tau) * sigmoid * advantage, abs=F64_PARITY)
+    assert grad == pytest.approx(-sech2(tau * (ratio - 1) / 2) * ratio * advantage, abs=F64_PARITY)
 
 
 def test_sapo_loss_offset_is_two_over_tau_at_ratio_one():
@@ -152,35 +161,38 @@ def test_sapo_loss_offset_is_two_over_tau_at_ratio_one():
 # --- PSPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_pspo_gradient_is_one_minus_alpha_times_unclipped(ratio, advantage):
     alpha = 0.25
     loss, grad = single_token("pspo", math.log(ratio), advantage, alpha=alpha)
-    assert loss == pytest.approx(-((1 - alpha) * ratio + alpha) * advantage, abs=1e-12)
-    assert grad == pytest.approx(-(1 - alpha) * ratio * advantage, abs=1e-12)
+    assert loss == pytest.approx(-((1 - alpha) * ratio + alpha) * advantage, abs=F64_PARITY)
+    assert grad == pytest.approx(-(1 - alpha) * ratio * advantage, abs=F64_PARITY)
 
 
 # --- CFPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_cfpo_value_and_gradient(ratio, advantage):
     eps = 0.2
     loss, grad = single_token("cfpo", math.log(ratio), advantage, eps=eps)
     assert loss == pytest.approx(
-        -(ratio * advantage - abs(advantage) * (ratio - 1) ** 2 / (2 * eps)), abs=1e-12
+        -(ratio * advantage - abs(advantage) * (ratio - 1) ** 2 / (2 * eps)), abs=F64_PARITY
     )
-    assert grad == pytest.approx(-(advantage - abs(advantage) * (ratio - 1) / eps) * ratio, abs=1e-12)
+    assert grad == pytest.approx(-(advantage - abs(advantage) * (ratio - 1) / eps) * ratio, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("advantage", ADVANTAGES)
 def test_cfpo_is_stationary_at_one_plus_sign_eps(advantage):
     eps = 0.3
     stationary = 1 + math.copysign(eps, advantage)
     _, grad = single_token("cfpo", math.log(stationary), advantage, eps=eps)
-    assert grad == pytest.approx(0.0, abs=1e-12)
+    assert grad == pytest.approx(0.0, abs=F64_PARITY)
     _, inside = single_token("cfpo", math.log(1 + 0.5 * math.copysign(eps, advantage)), advantage, eps=eps)
     assert inside * -advantage > 0  # before the stationary point the loss still pushes r away from 1
 
@@ -188,6 +200,7 @@ def test_cfpo_is_stationary_at_one_plus_sign_eps(advantage):
 # --- GMPO ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_gmpo_geometric_mean_of_sign_aware_clipped_ratios():
     log_r = torch.tensor([[0.1, 0.6, -0.7, 0.0]], dtype=torch.float64)  # one sequence, eps = 0.4
     logprobs = torch.zeros_like(log_r)
@@ -197,7 +210,7 @@ def test_gmpo_geometric_mean_of_sign_aware_clipped_ratios():
         adv = torch.tensor([advantage], dtype=torch.float64)
         loss, grad, _ = loss_and_grad(loss_fn, logprobs, -log_r, adv, mask)
         geometric = math.exp(sum(clipped) / 4)
-        assert loss.item() == pytest.approx(-advantage * geometric, abs=1e-12)
+        assert loss.item() == pytest.approx(-advantage * geometric, abs=F64_PARITY)
         flows = torch.tensor(
             [c == v for c, v in zip(clipped, log_r[0].tolist(), strict=True)], dtype=torch.float64
         )
@@ -221,12 +234,14 @@ def phi(w: float, advantage: float, **params) -> float:
     return method.phi(log_w, torch.tensor([[advantage]], dtype=torch.float64)).item()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(("k", "lam"), [(2.0, 3.0), (3.0, 2.0), (0.0, 1.0), (5.0, 0.5)])
 def test_vespo_phi_is_one_on_policy(k, lam):
-    assert phi(1.0, 1.0, k_pos=k, lambda_pos=lam) == pytest.approx(1.0, abs=1e-12)
-    assert phi(1.0, -1.0, k_neg=k, lambda_neg=lam) == pytest.approx(1.0, abs=1e-12)
+    assert phi(1.0, 1.0, k_pos=k, lambda_pos=lam) == pytest.approx(1.0, abs=F64_PARITY)
+    assert phi(1.0, -1.0, k_neg=k, lambda_neg=lam) == pytest.approx(1.0, abs=F64_PARITY)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize(
     ("w", "advantage", "expected"),
     [
@@ -241,7 +256,7 @@ def test_vespo_phi_is_one_on_policy(k, lam):
     ],
 )
 def test_vespo_phi_listed_values(w, advantage, expected):
-    assert phi(w, advantage) == pytest.approx(expected, rel=1e-5)
+    assert phi(w, advantage) == pytest.approx(expected, rel=1e-5)  # the table's 6-7 printed digits
 
 
 @pytest.mark.parametrize(("advantage", "peak"), [(1.0, 2 / 3), (-1.0, 1.5)])
@@ -251,6 +266,7 @@ def test_vespo_phi_peaks_at_k_over_lambda(advantage, peak):
         assert phi(w, advantage) < at_peak
 
 
+@pytest.mark.numerics
 def test_vespo_token_mean_gradient_is_minus_phi_a_m_over_count_and_phi_has_no_gradient():
     logprobs, old, advantages, mask = random_batch(seed=7, spread=0.2)
     loss_fn = st.PolicyLoss("vespo", aggregation="token-mean")
@@ -262,7 +278,7 @@ def test_vespo_token_mean_gradient_is_minus_phi_a_m_over_count_and_phi_has_no_gr
     lam = torch.where(advantages >= 0, 3.0, 2.0)
     phi_seq = w**k * torch.exp(lam * (1 - w))
     expected = -(phi_seq * advantages)[:, None] * m / m.sum()
-    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, expected, rtol=F64_GRADIENT, atol=F64_PARITY)
 
 
 def test_vespo_product_distinguishes_lengths_that_gspo_does_not():
@@ -287,6 +303,7 @@ def test_vespo_log_w_floor_and_nonfinite_phi_is_zero():
     assert phi(math.exp(20), 1.0) == 0.0  # e^{λ(1-W)} underflows to exactly 0, never NaN
 
 
+@pytest.mark.numerics
 def test_vespo_sequence_mean_is_the_length_normalised_ablation():
     logprobs, old, advantages, mask = random_batch(seed=8)
     m = mask.double()

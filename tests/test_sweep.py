@@ -29,6 +29,8 @@ from softtrust.study import (
 )
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
+from budgets import adam_budget
+
 torch.set_num_threads(1)
 
 MICRO = TinyModelConfig(
@@ -62,11 +64,14 @@ def micro_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def sweep_env(micro_model_dir, tmp_path, monkeypatch):
-    """Cells (subprocesses) can import the reward module and cache warm starts in tmp_path."""
+    """Cells (subprocesses) can import the reward module, cache warm starts in tmp_path and run on
+    one thread each."""
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(micro_model_dir), os.environ.get("PYTHONPATH", "")])
     )
     monkeypatch.setenv("SOFTTRUST_CACHE", str(tmp_path / "cache"))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):  # cells run --num-threads 1:
+        monkeypatch.setenv(name, "1")  # no library starts a pool of its own beside it
     return micro_model_dir
 
 
@@ -309,6 +314,8 @@ def test_only_finished_or_stopped_runs_report_a_best_accuracy(tmp_path):
 
 
 # ---------------------------------------------------------------------- (4) on-policy sanity
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_on_policy_clip_vespo_and_reinforce_reach_the_same_parameters(sweep_env, tmp_path):
     """At N = 1 every ratio is 1 and VESPO's phi is 1: the three give the same gradient A grad log p."""
     output = tmp_path / "sweep"
@@ -318,12 +325,15 @@ def test_on_policy_clip_vespo_and_reinforce_reach_the_same_parameters(sweep_env,
         for method in ("clip", "vespo", "reinforce")
     }
     initial = load_file(str(sweep_env / "model.safetensors"))
+    # the three formulas give one gradient in three op orders: 4 Adam steps at lr 1e-2 from float32
+    # gradients summing 8 rows x 7 positions x 64 hidden units of products (≈ 1.7e-4)
+    budget = adam_budget(steps=4, lr=1e-2, gradient_terms=8 * 7 * 64)
     moved = max(float((weights["clip"][k] - initial[k]).abs().max()) for k in initial)
-    assert moved > 1e-3  # four steps at lr 1e-2 really changed the model
+    assert moved > 100 * budget  # four steps at lr 1e-2 really changed the model (~lr a step)
     for method in ("vespo", "reinforce"):
         for name, tensor in weights["clip"].items():
             difference = float((weights[method][name] - tensor).abs().max())
-            assert difference <= 1e-6, (method, name, difference)
+            assert difference <= budget, (method, name, difference)
 
 
 # ---------------------------------------------------------------------- grid parsing, statistics
