@@ -22,7 +22,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,7 +46,10 @@ def kernel_set(capability: str) -> str | None:
 
 
 def run_one(seed: int, capability: str, threads: int, workdir: Path, extra: list[str]) -> dict:
-    """One `softtrust train` with a fresh cache; its summary plus the wall time."""
+    """One `softtrust train` with a fresh cache; its summary (``wall_seconds``: warm start and RL).
+
+    A run whose ``summary.json`` is already in ``workdir`` is read instead of rerun, so an
+    interrupted matrix continues where it stopped when given the same ``--workdir``."""
     name = f"seed{seed}-{capability}-t{threads}"
     environment = dict(os.environ, OMP_NUM_THREADS=str(threads))
     environment.pop("ATEN_CPU_CAPABILITY", None)
@@ -69,9 +71,11 @@ def run_one(seed: int, capability: str, threads: int, workdir: Path, extra: list
         "--no-progress",
         *extra,
     ]
-    started = time.time()
-    result = subprocess.run(command, env=environment, capture_output=True, text=True)
-    seconds = time.time() - started
+    summary_file = workdir / name / "run" / "summary.json"
+    if summary_file.exists():  # finished in an earlier call with the same --workdir: read, not rerun
+        result = subprocess.CompletedProcess(command, 0, "", "")
+    else:
+        result = subprocess.run(command, env=environment, capture_output=True, text=True)
     if result.returncode != 0:
         return {
             "name": name,
@@ -80,13 +84,13 @@ def run_one(seed: int, capability: str, threads: int, workdir: Path, extra: list
             "threads": threads,
             "error": result.stderr[-2000:],
         }
-    summary = json.loads((workdir / name / "run" / "summary.json").read_text())
+    summary = json.loads(summary_file.read_text())
     return {
         "name": name,
         "seed": seed,
         "capability": capability,
         "threads": threads,
-        "seconds": seconds,
+        "seconds": summary["wall_seconds"],
         **{
             key: summary.get(key)
             for key in (
@@ -127,7 +131,7 @@ def report(rows: list[dict], command: str) -> str:
             f"a gain of **{min(gains):.1f} to {max(gains):.1f} points** "
             f"({sum(g >= GAIN_REQUIRED for g in gains)}/{len(done)} runs gain >= {GAIN_REQUIRED:.0f}); "
             f"{min(seconds) / 60:.1f}-{max(seconds) / 60:.1f} min a run from a fresh cache "
-            "(warm start included, set-up excluded; as many runs at a time as the cores hold, "
+            "(warm start and RL, interpreter start excluded; as many runs at a time as the cores hold, "
             "so each run had its threads' worth of cores).",
             "",
         ]
