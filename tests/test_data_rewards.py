@@ -400,3 +400,19 @@ def test_truncated_sampling_is_scored_by_the_learner_as_sampled(micro_model_dir,
     # the learner scores the truncated policy the sampler drew from: on-policy ratio 1
     assert float((truncated - batch.rollout_logprobs)[mask].abs().max()) < 1e-4
     assert float((full - batch.rollout_logprobs)[mask].abs().max()) > 1e-2  # the full softmax would not
+
+
+@pytest.mark.parametrize("row", ["1+1=,2,extra", "1+1="], ids=["extra field", "missing field"])
+def test_a_csv_row_with_more_or_fewer_fields_than_the_header_is_refused_naming_file_and_row(tmp_path, row):
+    """A row with an extra field was accepted: ``csv.DictReader`` put it under a column named
+    ``None``, which broke a ``**kwargs`` reward (every completion scored 0)."""
+    path = tmp_path / "ragged.csv"
+    path.write_text(f"prompt,answer\n2+2=,4\n\n{row}\n")
+    with pytest.raises(ValueError, match=r"^dataset: .*ragged.csv row 2: \d fields, but the header has 2 "):
+        read_records(path)
+    tsv = tmp_path / "fine.tsv"
+    tsv.write_text("prompt\tanswer\n2+2=\t4\n\n1,1=\t2\n")
+    assert [record for _, record in read_records(tsv)] == [
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": "1,1=", "answer": "2"},
+    ]
