@@ -203,11 +203,48 @@ def bad_length_reward(prompts, completions, completion_ids, **kwargs):
 def test_invalid_batched_reward_output_is_counted_or_raised():
     scorer = RewardScorer(type("T", (), {"rewards": RewardSet.parse(f"{__name__}:bad_length_reward")})())
     problems = [Problem("a", "1"), Problem("b", "1")]
-    total, _, _ = scorer.score(problems, ["x", "y"])
+    total, _, _ = scorer.score(problems, ["x", "y"], [[1], [2]])
     assert total.tolist() == [0.0, 0.0] and scorer.failures == 2
     scorer.strict = True
     with pytest.raises(TypeError, match="expected a list of 2 floats or None"):
-        scorer.score(problems, ["x", "y"])
+        scorer.score(problems, ["x", "y"], [[1], [2]])
+
+
+CHAR_TOKENIZER = build_char_tokenizer()
+
+
+def ids_reward(prompts, completions, completion_ids, **kwargs):
+    """1 when ``completion_ids`` are the tokens of the completion (its end token included), else 0."""
+    return [
+        float(bool(ids) and CHAR_TOKENIZER.decode(ids, skip_special_tokens=True) == text)
+        for text, ids in zip(completions, completion_ids, strict=True)
+    ]
+
+
+def test_evaluation_passes_a_batched_reward_the_completion_ids_as_training_does(micro_model_dir):
+    """Evaluation called TRL-style rewards with empty ``completion_ids`` while RL passed the real
+    ones: a reward reading them scored 1.0 in training and 0 in held-out accuracy."""
+    from transformers import AutoModelForCausalLM
+
+    from softtrust.train.rollout import generate_rollout, greedy_accuracy, group_uniforms
+
+    model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
+    task = type("T", (), {"rewards": RewardSet.parse(f"{__name__}:ids_reward")})()
+    problems = [Problem(f"{i}+{i}=", "0") for i in range(3)]
+    batch = generate_rollout(
+        model,
+        CHAR_TOKENIZER,
+        problems,
+        RewardScorer(task, strict=True),
+        group_size=2,
+        max_new_tokens=4,
+        temperature=1.0,
+        uniforms=group_uniforms(0, 0, [0, 1, 2], 2, 4),
+    )
+    assert batch.rewards.tolist() == [1.0] * 6  # training
+    samples = []
+    accuracy = greedy_accuracy(model, CHAR_TOKENIZER, task, problems, 4, strict=True, samples=samples)
+    assert accuracy == 1.0 and all(sample["reward"] == 1.0 for sample in samples)  # evaluation
 
 
 def test_conversational_dataset_trains_with_a_trl_reward_and_writes_samples(micro_model_dir, tmp_path):
@@ -409,3 +446,19 @@ def test_truncated_sampling_is_scored_by_the_learner_as_sampled(micro_model_dir,
     # the learner scores the truncated policy the sampler drew from: on-policy ratio 1
     assert float((truncated - batch.rollout_logprobs)[mask].abs().max()) < 1e-4
     assert float((full - batch.rollout_logprobs)[mask].abs().max()) > 1e-2  # the full softmax would not
+
+
+@pytest.mark.parametrize("row", ["1+1=,2,extra", "1+1="], ids=["extra field", "missing field"])
+def test_a_csv_row_with_more_or_fewer_fields_than_the_header_is_refused_naming_file_and_row(tmp_path, row):
+    """A row with an extra field was accepted: ``csv.DictReader`` put it under a column named
+    ``None``, which broke a ``**kwargs`` reward (every completion scored 0)."""
+    path = tmp_path / "ragged.csv"
+    path.write_text(f"prompt,answer\n2+2=,4\n\n{row}\n")
+    with pytest.raises(ValueError, match=r"^dataset: .*ragged.csv row 2: \d fields, but the header has 2 "):
+        read_records(path)
+    tsv = tmp_path / "fine.tsv"
+    tsv.write_text("prompt\tanswer\n2+2=\t4\n\n1,1=\t2\n")
+    assert [record for _, record in read_records(tsv)] == [
+        {"prompt": "2+2=", "answer": "4"},
+        {"prompt": "1,1=", "answer": "2"},
+    ]

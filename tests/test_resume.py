@@ -188,3 +188,36 @@ def test_resume_with_no_complete_checkpoint_is_a_clear_error(micro_model_dir, tm
     assert main(["train", "--resume", str(tmp_path)]) == 2  # not a run directory
     assert "error: resume:" in capsys.readouterr().err
     json.loads((run / "summary.json").read_text())  # the run's files are intact
+
+
+# ---------------------------------------------------------------------- checkpoints/latest
+@pytest.mark.parametrize("where", ["relative", "absolute", "link"])
+def test_latest_naming_a_checkpoint_outside_the_run_is_refused_not_followed(
+    micro_model_dir, tmp_path, capsys, where
+):
+    """``checkpoints/latest`` was followed as a path anywhere: a resume loaded another run's
+    weights (``../../other/checkpoints/step-000003``, an absolute path) with no warning."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    train(micro_config(micro_model_dir, other, max_steps=3))
+    train(micro_config(micro_model_dir, run, max_steps=2))
+    foreign = other / "checkpoints" / "step-000003"
+    latest = run / "checkpoints" / "latest"
+    if where == "relative":
+        latest.write_text("../../other/checkpoints/step-000003\n")
+    elif where == "absolute":
+        latest.write_text(f"{foreign}\n")
+    else:  # a step-* name that is a link out of the run
+        (run / "checkpoints" / "step-000003").symlink_to(foreign)
+        latest.write_text("step-000003\n")
+    before = read_metrics(run)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--max-steps", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"softtrust train: error: resume: {str(latest)!r} names ")
+    assert "expected the name of a checkpoint in the same directory" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert read_metrics(run) == before
+    latest.unlink()  # without it, the newest of the run's own checkpoints
+    if where == "link":
+        (run / "checkpoints" / "step-000003").unlink()
+    assert find_checkpoint(run) == run / "checkpoints" / "step-000002"

@@ -196,3 +196,13 @@ def test_trl_entropy_masking_is_refused():
     config = types.SimpleNamespace(loss_type="dapo", top_entropy_quantile=0.2)
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         from_trl_config(config)
+
+
+def test_trl_epsilon_high_zero_is_an_upper_clip_of_zero_not_epsilon():
+    """TRL reads ``epsilon_high if epsilon_high is not None else epsilon``: 0.0 is a value. It was
+    mapped through ``epsilon_high or epsilon``, so ``epsilon_high=0.0`` became 0.2."""
+    config = types.SimpleNamespace(loss_type="dapo", epsilon=0.2, epsilon_high=0.0)
+    method = from_trl_config(config).method
+    assert (method.eps_low, method.eps_high) == (0.2, 0.0)
+    unset = from_trl_config(types.SimpleNamespace(loss_type="dapo", epsilon=0.3, epsilon_high=None)).method
+    assert (unset.eps_low, unset.eps_high) == (0.3, 0.3)

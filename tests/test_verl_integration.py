@@ -484,3 +484,35 @@ def test_token_weights_enter_as_the_methods_engine_token_weights_says(monkeypatc
     torch.testing.assert_close(as_geometric_mean[0], repeated[0], rtol=F64_PARITY, atol=F64_PARITY)
     torch.testing.assert_close(as_geometric_mean[1], repeated[1], rtol=F64_PARITY, atol=F64_PARITY)
     assert not torch.allclose(per_token[0], as_geometric_mean[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.5, float("inf")], ids=["nan", "negative", "inf"])
+@pytest.mark.parametrize("method", ["clip", "vespo"])
+def test_an_invalid_rollout_is_weight_is_an_error_naming_rollout_is_weights(method, bad):
+    """A NaN or negative weight became weight 0 (its tokens dropped, the loss finite); an inf one
+    gave an error naming ``rollout_logprobs``, which verl users never pass."""
+    mask = INPUTS["mask"]
+    weights = torch.ones(mask.shape, dtype=torch.float64)
+    row, column = (index[0].item() for index in mask.nonzero(as_tuple=True))
+    weights[row, column] = bad
+    config = actor_config(softtrust={"rollout_is": "token"})
+    with pytest.raises(ValueError, match=r"rollout_is_weights must be finite and >= 0 at active") as error:
+        run(get_policy_loss_fn(f"softtrust.{method}"), "token-mean", config, weights)
+    assert "rollout_logprobs" not in str(error.value) and f"at index {(row, column)}" in str(error.value)
+    # at a masked position any value is ignored, as every masked input is
+    masked = torch.where(mask, 1.0, float("nan")).double()
+    loss, grad, _ = run(get_policy_loss_fn(f"softtrust.{method}"), "token-mean", config, masked)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_errors_inside_the_loss_name_the_arguments_verl_passed():
+    """A bad input is reported with verl's names (old_log_prob, response_mask), not softtrust's."""
+    clip = get_policy_loss_fn("softtrust.clip")
+    with pytest.raises(ValueError, match=r"^softtrust\.clip: old_log_prob must have shape") as error:
+        run(clip, "token-mean", actor_config(), None, old=INPUTS["old"][:, :-1])
+    assert "old_logprobs" not in str(error.value)
+    with pytest.raises(ValueError, match=r"^softtrust\.clip: response_mask must be bool or contain only 0"):
+        run(clip, "token-mean", actor_config(), None, mask=INPUTS["mask"].double() * 2)
+    assert st_verl.in_verl_terms("logprobs and old_logprobs, mask (unmasked)") == (
+        "log_prob and old_log_prob, response_mask (unmasked)"
+    )

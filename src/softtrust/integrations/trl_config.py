@@ -15,7 +15,7 @@ TRL's ``loss_type`` mixes three choices; softtrust keeps them apart:
 
 ``importance_sampling_level="sequence"`` maps to ``level="sequence-mean"`` (TRL's
 sequence ratio is the geometric mean); VESPO always uses its own sequence-sum.
-``epsilon_high=None`` means ``epsilon``. TRL's ``cispo`` reads ``epsilon_high`` as the
+``epsilon_high=None`` means ``epsilon`` (only ``None``: ``epsilon_high=0.0`` is 0, as in TRL). TRL's ``cispo`` reads ``epsilon_high`` as the
 raw cap on the ratio. The vLLM importance-sampling correction maps to ``TIS``
 (``*_truncate``) or ``MIS`` (``*_mask``) at token or sequence level;
 ``off_policy_mask_threshold`` to ``OPSM``; ``beta`` to ``KL(coef=beta, "k3")``.
@@ -80,7 +80,9 @@ def from_trl_config(config: Any) -> PolicyLoss:
             "set it to 1.0"
         )
     epsilon = _get(config, "epsilon", 0.2)
-    epsilon_high = _get(config, "epsilon_high") or epsilon
+    epsilon_high = _get(config, "epsilon_high")
+    if epsilon_high is None:  # TRL: `epsilon_high if not None else epsilon` (0.0 is a value, kept)
+        epsilon_high = epsilon
     level = "sequence-mean" if level_name == "sequence" else "token"
 
     if loss_type == "cispo":

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -86,7 +87,9 @@ __all__ = [
     "PREFIX",
     "SUPPORTED_VERL_VERSIONS",
     "VERL_FIELDS",
+    "VERL_NAMES",
     "SoftTrustPolicyLossConfig",
+    "in_verl_terms",
     "loss_mode",
     "method_settings",
     "policy_loss_fn",
@@ -257,6 +260,41 @@ def _weights_as_rollout_logprobs(
     return old.detach() - log_w * mask  # [B, T]
 
 
+def _check_rollout_is_weights(weights: torch.Tensor, mask: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming ``rollout_is_weights`` unless every weight at an active
+    (``response_mask``) position is finite and >= 0 (0 is verl's rejection). Without this a NaN
+    or negative weight became 0 (its row silently dropped) and an inf one an error about
+    ``rollout_logprobs``, which a verl user never passes. Reads values on the host (one sync;
+    the metrics that follow read every value anyway)."""
+    active = mask.bool()
+    bad = active & ~(torch.isfinite(weights) & (weights >= 0))  # NaN fails both tests
+    if bad.any():
+        where = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"rollout_is_weights must be finite and >= 0 at active (response_mask) positions, got "
+            f"{weights[where].item()!r} at index {where} ({int(bad.sum())} such position(s)); check "
+            "algorithm.rollout_correction and the rollout log-probs it is computed from"
+        )
+
+
+#: softtrust's argument names -> verl's, for the messages of errors raised inside the loss
+VERL_NAMES = {
+    "old_logprobs": "old_log_prob",
+    "rollout_logprobs": "rollout_is_weights",
+    "logprobs": "log_prob",
+    "mask": "response_mask",
+    "num_tokens": "global_batch_info.batch_num_tokens",
+    "num_sequences": "global_batch_info.global_batch_size",
+}
+_SOFTTRUST_NAME = re.compile(r"\b(" + "|".join(VERL_NAMES) + r")\b")
+
+
+def in_verl_terms(message: str) -> str:
+    """``message`` with softtrust's argument names replaced by verl's (``logprobs`` ->
+    ``log_prob``, ``mask`` -> ``response_mask``, ...): a verl error names what verl passed."""
+    return _SOFTTRUST_NAME.sub(lambda match: VERL_NAMES[match.group(1)], message)
+
+
 def _correction(level: str, clamp: float) -> MIS:
     """ρ·1[ρ >= low]: verl's weight itself; weights below ``low`` (and verl's zeros) exactly 0.
 
@@ -369,6 +407,7 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
                 level = "sequence" if geometric_mean else "token"
         loss_fn = _build(method, params, options, loss_agg_mode, info.get("loss_scale_factor"), level)
         if rollout_is_weights is not None:
+            _check_rollout_is_weights(rollout_is_weights, response_mask)
             rollout = _weights_as_rollout_logprobs(
                 old_log_prob,
                 rollout_is_weights,
@@ -377,15 +416,18 @@ def policy_loss_fn(method: str) -> Callable[..., tuple[torch.Tensor, dict[str, A
                 _clamp(options),
                 GEO_MEAN_EPS if geometric_mean else 0.0,
             )
-        out = loss_fn(
-            log_prob,
-            old_log_prob,
-            advantages,
-            response_mask,
-            rollout_logprobs=rollout,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
-        )
+        try:
+            out = loss_fn(
+                log_prob,
+                old_log_prob,
+                advantages,
+                response_mask,
+                rollout_logprobs=rollout,
+                num_tokens=num_tokens,
+                num_sequences=num_sequences,
+            )
+        except ValueError as error:  # softtrust's argument names -> the ones the verl user passed
+            raise ValueError(f"{loss_mode(method)}: {in_verl_terms(str(error))}") from None
         metrics = {}
         for name, value in out.metrics.items():
             number = _metric_value(value)

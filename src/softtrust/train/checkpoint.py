@@ -17,6 +17,7 @@ checkpoint and a ``latest`` that names a complete directory.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
+CHECKPOINT_NAME = re.compile(r"step-\d+")  # checkpoint_name(step); what ``latest`` may hold
 
 
 def _fsync_file(path: Path) -> None:
@@ -110,7 +112,8 @@ def find_checkpoint(path: str | Path) -> Path:
 
     Accepts a checkpoint directory, a ``checkpoints/`` directory or a run directory.
     ``latest`` is trusted when it names a complete checkpoint; otherwise the newest
-    complete one is used.
+    complete one is used. ``latest`` may only hold a ``step-*`` name inside the same
+    ``checkpoints/`` (``latest_name``): a path to elsewhere is refused, never followed.
     """
     path = Path(path)
     if (path / STATE_FILE).is_file() and (path / MODEL_FILE).is_file():
@@ -118,7 +121,7 @@ def find_checkpoint(path: str | Path) -> Path:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     latest = root / LATEST_FILE
     if latest.is_file():
-        named = root / latest.read_text().strip()
+        named = root / latest_name(latest)
         if (named / STATE_FILE).is_file() and (named / MODEL_FILE).is_file():
             return named
     complete = _complete_checkpoints(root)
@@ -128,6 +131,22 @@ def find_checkpoint(path: str | Path) -> Path:
             "start it again in a new --output-dir"
         )
     return complete[-1]
+
+
+def latest_name(latest: Path) -> str:
+    """The checkpoint name ``latest`` holds: ``step-`` and digits, a directory of the same
+    ``checkpoints/`` (not a link out of it); anything else (a path such as
+    ``../../OTHER/checkpoints/step-000003``, an absolute path) is a ``ValueError`` naming the file,
+    since following it would resume from another run's weights."""
+    name = latest.read_text().strip()
+    named = latest.parent / name
+    inside = not named.exists() or named.resolve().parent == latest.parent.resolve()
+    if not (CHECKPOINT_NAME.fullmatch(name) and inside):
+        raise ValueError(
+            f"resume: {str(latest)!r} names {name!r}; expected the name of a checkpoint in the same "
+            f"directory (step-XXXXXX): correct it to the newest of its own step-* directories, or delete it"
+        )
+    return name
 
 
 def load_checkpoint(checkpoint: Path, model) -> dict:

@@ -5,7 +5,8 @@ Every record becomes a ``tasks.Problem``: the prompt column (``--prompt-column``
 "content"}`` messages, TRL's conversational format); the answer column (``--answer-column``,
 default ``answer``) a string or a finite number (written as text); every other column is kept
 and reaches a custom reward as a keyword argument. A bad record is a ``ValueError`` naming
-``dataset``, the file and the line (JSONL) or row (other formats, counted from 1).
+``dataset``, the file and the line (JSONL) or row (other formats, counted from 1); a CSV or
+TSV row with more or fewer fields than its header is one too.
 """
 
 from __future__ import annotations
@@ -62,10 +63,7 @@ def read_records(path: str | Path) -> list[tuple[str, object]]:
             )
         return [(f"{path} row {number}", record) for number, record in enumerate(loaded, start=1)]
     if suffix in (".csv", ".tsv"):
-        with path.open(newline="") as handle:
-            reader = csv.DictReader(handle, delimiter="\t" if suffix == ".tsv" else ",")
-            # row 1 is the first record (the header line is not counted)
-            return [(f"{path} row {number}", dict(row)) for number, row in enumerate(reader, start=1)]
+        return _read_delimited(path, "\t" if suffix == ".tsv" else ",")
     if suffix in (".parquet", ".pq"):
         require("pyarrow", f"reading {path} (Parquet)", name="dataset")
         import pyarrow.parquet as pq
@@ -76,6 +74,27 @@ def read_records(path: str | Path) -> list[tuple[str, object]]:
         f"dataset: {str(path)!r} has an unknown extension {suffix!r}; expected .jsonl, .json, .csv, "
         ".tsv, .parquet or a directory written by datasets' save_to_disk"
     )
+
+
+def _read_delimited(path: Path, delimiter: str) -> list[tuple[str, object]]:
+    """The records of a CSV or TSV file; a row with more or fewer fields than the header is a
+    ``ValueError`` naming the file and the row (``csv.DictReader`` would file the extra fields
+    under a column named ``None`` and fill missing ones with ``None``)."""
+    with path.open(newline="") as handle:
+        reader = csv.reader(handle, delimiter=delimiter)
+        header = next(reader, None)
+        if header is None:
+            return []
+        records = []
+        # row 1 is the first record (the header line is not counted); blank lines are skipped
+        for number, row in enumerate((row for row in reader if row), start=1):
+            if len(row) != len(header):
+                raise ValueError(
+                    f"dataset: {path} row {number}: {len(row)} fields, but the header has {len(header)} "
+                    f"({', '.join(header)}); quote a field that holds the delimiter {delimiter!r}"
+                )
+            records.append((f"{path} row {number}", dict(zip(header, row, strict=True))))
+    return records
 
 
 def _read_datasets_directory(path: Path) -> list[tuple[str, object]]:

@@ -276,14 +276,15 @@ class RewardScorer:
         self,
         problems: Sequence[Problem],
         completions: Sequence[str],
-        completion_ids: Sequence[list] | None = None,
+        completion_ids: Sequence[list],
     ) -> tuple[torch.Tensor, list[bool], dict[str, list]]:
         """``(total [B] float32, correct [B], {reward name: [B] values or None})``.
 
+        ``completion_ids``: each completion's token ids (``rollout.completion_token_ids``), given
+        by RL and evaluation alike: a batched reward reading them scores both the same way.
         ``total = Σ_k w_k r_k`` over the values that are not ``None``; ``correct``: the
         correctness reward is not ``None`` and ``>= 1``.
         """
-        completion_ids = completion_ids if completion_ids is not None else [[] for _ in completions]
         parts = {}
         for reward in self.rewards.rewards:
             calls = (
@@ -310,5 +311,5 @@ class RewardScorer:
         return torch.tensor(total, dtype=torch.float32), correct, parts
 
     def __call__(self, completion: str, answer: str) -> float:
-        """The total reward of one completion of a plain problem."""
-        return float(self.score([Problem("", answer)], [completion])[0][0])
+        """The total reward of one completion of a plain problem (text only: no token ids)."""
+        return float(self.score([Problem("", answer)], [completion], [[]])[0][0])

@@ -426,6 +426,14 @@ def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask:
     return texts
 
 
+def completion_token_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[list[int]]:
+    """Each completion's token ids up to and including its end token (the padding cut off): what a
+    TRL-style batched reward receives as ``completion_ids``, the same in RL and in evaluation."""
+    return [
+        ids[: int(mask.sum())] for ids, mask in zip(completion_ids.tolist(), completion_mask, strict=True)
+    ]
+
+
 def generate_rollout(
     model,
     tokenizer,
@@ -467,10 +475,7 @@ def generate_rollout(
     )
     model.train(was_training)
     completions = decode_completions(tokenizer, completion_ids, completion_mask)
-    kept_ids = [
-        ids[: int(mask.sum())] for ids, mask in zip(completion_ids.tolist(), completion_mask, strict=True)
-    ]
-    rewards, _, _ = scorer.score(repeated, completions, kept_ids)
+    rewards, _, _ = scorer.score(repeated, completions, completion_token_ids(completion_ids, completion_mask))
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
@@ -518,7 +523,9 @@ def greedy_accuracy(
             all_finished=all_finished,
         )
         texts = decode_completions(tokenizer, completion_ids, completion_mask)
-        totals, right, parts = scorer.score(chunk, texts)
+        totals, right, parts = scorer.score(
+            chunk, texts, completion_token_ids(completion_ids, completion_mask)
+        )
         correct += sum(right)
         if samples is not None:
             for index in range(min(len(chunk), num_samples - len(samples))):
