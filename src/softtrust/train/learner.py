@@ -204,15 +204,21 @@ class Learner:
     def batch_state(
         self, batch: UpdateBatch, pieces: list[slice], logprobs: torch.Tensor, inputs: LossInputs
     ) -> dict | None:
-        """A batch-wide method's state (M2PO, KL-Cov, Clip-Cov, BAPO) from the whole mini-batch,
-        every rank's rows (``global_batch_state``); None for other methods. One piece: its own
-        log-probs and loss inputs; several: every row's current log-probs from a no-grad pass."""
-        if not self.loss_fn.selects_over_batch:
+        """The loss's batch-wide state from the whole mini-batch, every rank's rows
+        (``global_batch_state``): a selecting method's (M2PO, KL-Cov, Clip-Cov, BAPO) and a
+        self-normalised IS correction's mean; None when the loss needs none. One piece: its own
+        log-probs and loss inputs; several: every row's current log-probs from a no-grad pass,
+        skipped when only a correction needs state and the behaviour log-probs are recorded
+        (its mean reads those and the sampler's only)."""
+        if not self.loss_fn.uses_batch_state:
             return None
         old, rollout = inputs.old_logprobs, inputs.rollout_logprobs
         if len(pieces) > 1:
-            with torch.no_grad():
-                logprobs = torch.cat([self.logprobs(self.policy, batch, rows) for rows in pieces])
+            if self.loss_fn.selects_over_batch or batch.old_logprobs is None:
+                with torch.no_grad():
+                    logprobs = torch.cat([self.logprobs(self.policy, batch, rows) for rows in pieces])
+            else:  # a stand-in the correction never reads
+                logprobs = batch.old_logprobs
             old = logprobs if batch.old_logprobs is None else batch.old_logprobs
             rollout = batch.rollout_logprobs
         tensors = BatchTensors(logprobs.detach(), old, batch.advantages, batch.mask, rollout)
@@ -302,8 +308,8 @@ def global_batch_state(
     batch, so it is identical on all ranks and equal to one process's (up to the summation
     order of KL-Cov's/Clip-Cov's means). This is exact for any method, whatever its statistic
     (M2PO's cut needs every token's ``d²``; KL-Cov's and Clip-Cov's thresholds are order
-    statistics of the global batch; BAPO's sums could be all-reduced, but one gather serves
-    all). The gather moves ``4 b T`` numbers per rank, small next to the gradient all-reduce.
+    statistics of the global batch; BAPO's sums and a self-normalised IS correction's mean
+    could be all-reduced, but one gather serves all). The gather moves ``4 b T`` numbers per rank, small next to the gradient all-reduce.
 
     Args:
         tensors: this rank's ``BatchTensors`` (``logprobs``: the current policy's, detached).
