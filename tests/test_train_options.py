@@ -4,6 +4,8 @@ the advantage estimators)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -37,3 +39,40 @@ def test_self_normalized_tis_weights_average_one_over_each_mini_batch(
     for m in metrics:  # token-weighted over the micro-batches: the whole mini-batch's mean weight
         assert m["loss/is_weight/mean"] == pytest.approx(1.0, abs=1e-5)
     assert any(m["loss/is_weight/batch_mean"] != pytest.approx(1.0, abs=1e-7) for m in metrics)
+
+
+# ---------------------------------------------------------------------- KL: estimators, adaptive coefficient
+def test_kl_target_moves_the_coefficient_by_the_ppo_rule_each_step(micro_model_dir, tmp_path):
+    target, horizon, rows = 1e-3, 50.0, 8  # rows: prompts_per_step 2 x group_size 4
+    config = micro_config(
+        micro_model_dir,
+        tmp_path / "run",
+        method="clip",
+        staleness=2,
+        max_steps=5,
+        kl_coef=0.2,
+        kl_estimator="k3+",
+        kl_target=target,
+        kl_horizon=horizon,
+    )
+    train(config)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[0]["kl_coef"] == 0.2
+    for before, after in itertools.pairwise(metrics):
+        error = min(max(before["loss/kl"] / target - 1, -0.2), 0.2)
+        assert after["kl_coef"] == pytest.approx(before["kl_coef"] * (1 + error * rows / horizon), rel=1e-12)
+    assert metrics[-1]["kl_coef"] != metrics[0]["kl_coef"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"kl_target": 0.01}, "kl_target: the adaptive KL controller starts from --kl-coef"),
+        ({"kl_coef": 0.1, "kl_target": 0.0}, "kl_target: must be > 0"),
+        ({"kl_coef": 0.1, "kl_target": 0.01, "kl_horizon": 0.0}, "kl_horizon: must be > 0"),
+        ({"kl_coef": 0.1, "kl_estimator": "k2+"}, "kl_estimator: choose one of"),
+    ],
+)
+def test_error_bad_kl_options(micro_model_dir, tmp_path, values, message):
+    with pytest.raises(ValueError, match=message):
+        micro_config(micro_model_dir, tmp_path / "run", **values).validate()

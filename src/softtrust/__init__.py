@@ -7,7 +7,7 @@ from softtrust import methods
 from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import MIS, OPSM, TIS, Reject
-from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
+from softtrust.kl import KL, KL_ESTIMATORS, AdaptiveKLController, kl_estimate
 from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.loss import LossOutput, PolicyLoss
 from softtrust.methods import *  # noqa: F403  (softtrust.methods.__all__: the methods and their interface)
@@ -25,6 +25,7 @@ __all__ = [
     "MIS",
     "OPSM",
     "TIS",
+    "AdaptiveKLController",
     "LossOutput",
     "PolicyLoss",
     "Reject",

@@ -150,8 +150,9 @@ class PolicyLoss:
         self.check_values = check_values
         self._has_batch_state = type(self.method).batch_state is not Method.batch_state
         # a detached-weight method never differentiates the ratio; an importance-corrected KL does
+        # (unless straight-through: its ratio is a detached weight)
         self._ratio_in_graph = not isinstance(self.method, DetachedWeightMethod) or bool(
-            kl is not None and kl.importance_corrected
+            kl is not None and kl.importance_corrected and not kl.straight_through
         )
 
     def __repr__(self) -> str:
@@ -188,6 +189,7 @@ class PolicyLoss:
         *,
         state: dict[str, torch.Tensor] | None = None,
         generator: torch.Generator | None = None,
+        kl_coef: float | torch.Tensor | None = None,
     ) -> LossOutput:
         """Compute the loss.
 
@@ -204,11 +206,15 @@ class PolicyLoss:
                 (a method's selection, a self-normalised IS correction's mean); a part it lacks
                 (or None) is computed from this batch.
             generator: random generator for methods that draw.
+            kl_coef: β for this call instead of ``kl.coef`` (an adaptive controller's,
+                :class:`~softtrust.kl.AdaptiveKLController`), >= 0; needs ``kl``.
 
         Returns:
             :class:`LossOutput`. The math runs in float32 (float64 stays float64). An
             empty batch (B = 0 or T = 0, or no active token) gives loss 0 and gradient 0.
         """
+        if kl_coef is not None:
+            _check_kl_coef(kl_coef, self.kl)
         batch = self._inputs(
             logprobs,
             old_logprobs,
@@ -234,9 +240,11 @@ class PolicyLoss:
         per_token_kl = None
         if self.kl is not None:
             per_token_kl = kl_estimate(ctx.logprobs, batch.ref, self.kl.estimator, self.log_ratio_clamp)
-            if self.kl.importance_corrected:
-                per_token_kl = per_token_kl * torch.exp(ctx.token_log_ratio)
-            per_token_loss = per_token_loss + self.kl.coef * per_token_kl  # [B, T]
+            if self.kl.importance_corrected:  # × r; detached for k2's gradient (straight-through)
+                ratio = torch.exp(ctx.token_log_ratio)  # [B, T]
+                per_token_kl = per_token_kl * (ratio.detach() if self.kl.straight_through else ratio)
+            coef = self.kl.coef if kl_coef is None else kl_coef
+            per_token_loss = per_token_loss + coef * per_token_kl  # [B, T]
         loss = aggregate(
             per_token_loss,
             ctx.mask,
@@ -532,6 +540,18 @@ def _upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     if torch.finfo(x.dtype).max >= torch.finfo(dtype).max:
         return x.to(dtype)
     return _UpcastSaturatingGrad.apply(x, dtype)
+
+
+def _check_kl_coef(kl_coef: object, kl: KL | None) -> None:
+    if kl is None:
+        raise ValueError(f"kl_coef={kl_coef!r} needs a KL term (PolicyLoss(kl=st.KL(...))), got kl=None")
+    if isinstance(kl_coef, torch.Tensor):
+        if kl_coef.dim() != 0 or not kl_coef.is_floating_point():
+            raise ValueError(
+                f"kl_coef must be a number or a 0-dim float tensor, got shape {tuple(kl_coef.shape)}"
+            )
+    else:
+        check_number("kl_coef", kl_coef, low=0.0)
 
 
 def _check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ import yaml
 
 from softtrust._optional import require
 from softtrust.aggregation import AGGREGATIONS
+from softtrust.kl import KL_ESTIMATORS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
@@ -28,7 +29,6 @@ PROXIMAL = ("none", "recompute", "loglinear")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
 # docs/main_job.md: seeds 0-4 under the default, avx2 and avx512 kernels reach it after 260-750
@@ -149,7 +149,22 @@ class TrainConfig:
     kl_coef: float = _field(
         0.0, "KL penalty coefficient towards the initial (warm-start) policy; 0 disables it.", low=0
     )
-    kl_estimator: str = _field("k3", "KL estimator: k1 | k2 | k3.")
+    kl_estimator: str = _field(
+        "k3",
+        "KL estimator: " + " | ".join(KL_ESTIMATORS) + " (k1+, k3+: that value with k2's gradient, the "
+        "unbiased KL gradient; abs: |log-ratio|).",
+    )
+    kl_target: float | None = _field(
+        None,
+        "Adaptive KL (PPO): steer the KL coefficient, starting at --kl-coef, towards this KL: after each "
+        "step beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n / --kl-horizon), KL the step's loss/kl "
+        "(its --kl-estimator's token mean), n its rows; logged as kl_coef. 'none': a fixed coefficient.",
+        low=0,
+        low_open=True,
+    )
+    kl_horizon: float = _field(
+        10_000, "Adaptive KL: the horizon (in rows) of --kl-target's controller.", low=0, low_open=True
+    )
     advantage_scale: str = _field("group", "Advantage scaling: group (GRPO) | batch | none (Dr. GRPO).")
     # --- staleness
     staleness: int = _field(
@@ -365,6 +380,11 @@ class TrainConfig:
             require("tensorboard", "--report-to tensorboard", name="report_to")
         need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"choose one of {KL_ESTIMATORS}")
+        need(
+            self.kl_target is None or self.kl_coef > 0,
+            "kl_target",
+            "the adaptive KL controller starts from --kl-coef and scales it, so it needs --kl-coef > 0",
+        )
         need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
         need(
             not self.device.startswith("cuda") or torch.cuda.is_available(),

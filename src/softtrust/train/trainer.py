@@ -33,7 +33,7 @@ from .distributed import (
     wrap_policy,
 )
 from .learner import Learner, build_optimizer, evaluate
-from .loss_config import build_method_loss
+from .loss_config import build_kl_controller, build_method_loss
 from .options import resume_config
 from .rollout import (
     ProblemSampler,
@@ -193,8 +193,9 @@ def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session
     scorer = RewardScorer(task, strict=config.strict_reward)
     optimizer, scheduler = build_optimizer(model, config)
     learner = Learner(
-        model, policy, optimizer, scheduler, world, kept_names, final_names, loss_fn, config, reference
-    )
+        model, policy, optimizer, scheduler, world, kept_names, final_names, loss_fn, config, reference,
+        build_kl_controller(config),
+    )  # fmt: skip
     rollouts = build_rollout_source(config, model, tokenizer, sampler, scorer, world)
     state = TrainState(learner, rollouts, sampler)
     session = Session(
