@@ -4,7 +4,13 @@ The public API, re-exported names only. See DESIGN.md / docs/ for the architectu
 """
 
 from softtrust import methods
-from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
+from softtrust.advantages import (
+    ADVANTAGE_SCALES,
+    group_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import MIS, OPSM, TIS, Reject
 from softtrust.kl import KL, KL_ESTIMATORS, AdaptiveKLController, kl_estimate
@@ -34,6 +40,8 @@ __all__ = [
     "completion_logprobs",
     "group_advantages",
     "kl_estimate",
+    "passk_advantages",
+    "reinforce_pp_advantages",
     "rloo_advantages",
     "sample_truncated",
     "token_logprobs",
