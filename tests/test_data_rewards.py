@@ -303,7 +303,7 @@ def test_a_conversation_with_a_tokenizer_without_template_is_a_clear_error(micro
 
 
 # ---------------------------------------------------------------------- micro-batches, N = 1
-def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed: int = 0):
+def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed: int = 0, sampler=False):
     from softtrust.train.rollout import RolloutBatch
     from softtrust.train.staleness import MiniBatch
 
@@ -327,22 +327,29 @@ def micro_minibatch(model, rows: int = 8, prompt: int = 3, width: int = 4, seed:
     # ratios spread around 1 (log-ratio noise 0.3): clipping and selections act on some tokens
     old = (current + 0.3 * torch.randn(rows, width, generator=generator)) * completion_mask
     advantages = torch.randn(rows, generator=generator)
-    return MiniBatch(batch, old, None, advantages, 0, 0, (0, rows), 0)
+    rollout = (
+        (old + 0.3 * torch.randn(rows, width, generator=generator)) * completion_mask if sampler else None
+    )
+    return MiniBatch(batch, old, rollout, advantages, 0, 0, (0, rows), 0)
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(
-    ("method", "aggregation"),
+    ("method", "aggregation", "correction"),
     [
-        ("clip", "token-mean"),
-        ("gspo", "seq-mean-token-mean"),
-        ("cispo", "seq-mean-token-sum-norm"),
-        ("m2po", "token-mean"),  # batch_state: the second-moment cut over the whole mini-batch
-        ("kl-cov", "token-mean"),  # batch_state: the covariance selection over the whole mini-batch
+        ("clip", "token-mean", None),
+        ("gspo", "seq-mean-token-mean", None),
+        ("cispo", "seq-mean-token-sum-norm", None),
+        ("m2po", "token-mean", None),  # batch_state: the second-moment cut over the whole mini-batch
+        ("kl-cov", "token-mean", None),  # batch_state: the covariance selection over the whole mini-batch
+        # batch_state: the IS weights' mean over the whole mini-batch
+        ("clip", "token-mean", "tis:cap=1.2,self_normalize=true"),
+        ("vespo", "token-mean", "mis:low=0.7,high=1.4,level=token,self_normalize=true"),
+        ("m2po", "seq-mean-token-mean", "mis:low=0.3,high=3,level=sequence,self_normalize=true"),
     ],
 )
 def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(
-    micro_model_dir, tmp_path, method, aggregation
+    micro_model_dir, tmp_path, method, aggregation, correction
 ):
     from transformers import AutoModelForCausalLM
 
@@ -351,11 +358,16 @@ def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(
     from softtrust.train.loss_config import build_method_loss
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
-    minibatch = micro_minibatch(model)
+    minibatch = micro_minibatch(model, sampler=correction is not None)
     gradients, losses = [], []
     for size in (0, 3, 1):  # whole, uneven pieces (3, 3, 2), one row each
         config = micro_config(
-            micro_model_dir, tmp_path / "run", method=method, aggregation=aggregation, micro_batch_size=size
+            micro_model_dir,
+            tmp_path / "run",
+            method=method,
+            aggregation=aggregation,
+            micro_batch_size=size,
+            correction=correction,
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put: compare gradients
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

@@ -430,12 +430,16 @@ class _TwoRanks(World):
         ("kl-cov", {"ratio": 0.1}),
         ("clip-cov", {"ratio": 0.2, "cov_low": -1.0}),
         ("bapo", {}),
+        # a self-normalised IS correction's mean (alone, and next to a method's selection)
+        ("clip", {"correction": "tis:cap=1.2,self_normalize=true"}),
+        ("m2po", {"tau": 0.05, "correction": "mis:low=0.7,high=1.4,level=sequence,self_normalize=true"}),
     ],
 )
 def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
     """Two ranks' shares with different padded lengths give the whole batch's state."""
     import softtrust as st
     from softtrust.train.learner import BatchTensors, global_batch_state
+    from softtrust.train.loss_config import build_correction
 
     generator = torch.Generator().manual_seed(3)
     logprobs = -torch.rand(8, 5, generator=generator, dtype=torch.float64) * 2
@@ -443,12 +447,20 @@ def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
     advantages = torch.randn(8, generator=generator, dtype=torch.float64)
     lengths = torch.tensor([5, 3, 4, 2, 3, 1, 2, 3])  # rank 1's rows (4..7) are at most 3 long
     mask = (torch.arange(5) < lengths[:, None]).double()
-    loss_fn = st.PolicyLoss(method, **params)
-    whole = loss_fn.batch_state(logprobs, old, advantages, mask, generator=torch.Generator().manual_seed(7))
-    rank1 = BatchTensors(logprobs[4:, :3], old[4:, :3], advantages[4:], mask[4:, :3], None)
+    params = dict(params)
+    correction = build_correction(params.pop("correction", None))
+    rollout = None if correction is None else old + 0.3 * torch.randn(8, 5, generator=generator).double()
+    loss_fn = st.PolicyLoss(method, correction=correction, **params)
+    whole = loss_fn.batch_state(
+        logprobs, old, advantages, mask, rollout, generator=torch.Generator().manual_seed(7)
+    )
+    share = lambda x, rows, width=5: None if x is None else x[rows, :width]  # noqa: E731
+    rank1 = BatchTensors(
+        logprobs[4:, :3], old[4:, :3], advantages[4:], mask[4:, :3], share(rollout, slice(4, 8), 3)
+    )
     state = global_batch_state(
         loss_fn,
-        BatchTensors(logprobs[:4], old[:4], advantages[:4], mask[:4], None),
+        BatchTensors(logprobs[:4], old[:4], advantages[:4], mask[:4], share(rollout, slice(0, 4))),
         _TwoRanks(rank1),
         torch.Generator().manual_seed(7),
     )
@@ -457,7 +469,12 @@ def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
         torch.testing.assert_close(state[name], whole[name], rtol=1e-12, atol=0, msg=name)
     # the rank's own share alone selects differently: the check can fail
     alone = loss_fn.batch_state(
-        logprobs[:4], old[:4], advantages[:4], mask[:4], generator=torch.Generator().manual_seed(7)
+        logprobs[:4],
+        old[:4],
+        advantages[:4],
+        mask[:4],
+        share(rollout, slice(0, 4)),
+        generator=torch.Generator().manual_seed(7),
     )
     assert any(not torch.equal(alone[name], whole[name]) for name in whole)
 

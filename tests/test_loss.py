@@ -280,7 +280,8 @@ def test_importance_corrected_kl_multiplies_by_token_ratio():
 @pytest.mark.parametrize("method", list(st.METHODS))
 def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, estimator):
     """The KL term adds coef·∇k (times r, with the ratio's own gradient, when importance-corrected),
-    whatever the method: a detached-weight method's ratio must still carry the KL's gradient."""
+    whatever the method: a detached-weight method's ratio must still carry the KL's gradient.
+    The straight-through estimators (k1+, k3+) add k2's gradient, times a detached r when corrected."""
     logprobs, old, advantages, mask = random_batch(seed=23, spread=0.5)
     ref = logprobs + 0.4 * torch.randn(
         logprobs.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64
@@ -290,7 +291,11 @@ def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, es
         "k1": lambda lp: lp - ref,
         "k2": lambda lp: 0.5 * (ref - lp) ** 2,
         "k3": lambda lp: torch.exp(ref - lp) - (ref - lp) - 1,
+        "abs": lambda lp: (lp - ref).abs(),
+        "k1+": lambda lp: 0.5 * (ref - lp) ** 2,  # the gradient's estimator: k2
+        "k3+": lambda lp: 0.5 * (ref - lp) ** 2,
     }[estimator]
+    straight_through = estimator.endswith("+")
     for corrected in (False, True):
         kl = st.KL(0.3, estimator=estimator, importance_corrected=corrected)
         with_kl = st.PolicyLoss(method, aggregation="token-sum", kl=kl)
@@ -299,7 +304,8 @@ def test_kl_term_gradient_is_the_estimators_gradient_for_every_method(method, es
             st.PolicyLoss(method, aggregation="token-sum"), logprobs, old, advantages, mask
         )
         leaf = logprobs.clone().requires_grad_(True)
-        term = estimate(leaf) * (torch.exp(leaf - old) if corrected else 1.0)
+        ratio = torch.exp((leaf.detach() if straight_through else leaf) - old)
+        term = estimate(leaf) * (ratio if corrected else 1.0)
         (expected,) = torch.autograd.grad((0.3 * term * m).sum(), leaf)
         torch.testing.assert_close(grad - policy_grad, expected, rtol=F64_GRADIENT, atol=F64_PARITY)
 

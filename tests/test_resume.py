@@ -140,14 +140,20 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     [
         dict(staleness=3, method="vespo"),  # sync: the checkpoint falls inside a rollout
         dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip"),  # lagged async
+        # the adaptive KL coefficient is in the checkpoint (a short horizon: it moves every step)
+        dict(staleness=2, method="clip", kl_coef=0.5, kl_target=1e-4, kl_horizon=8.0),
     ],
-    ids=["sync", "lagged-async"],
+    ids=["sync", "lagged-async", "adaptive-kl"],
 )
 def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_path, schedule):
     train(micro_config(micro_model_dir, tmp_path / "straight", max_steps=6, **schedule))
     train(micro_config(micro_model_dir, tmp_path / "resumed", max_steps=3, **schedule))
     train(load_resume_config({"resume": str(tmp_path / "resumed"), "max_steps": 6}))
     assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    if "kl_target" in schedule:
+        coefs = [m["kl_coef"] for m in read_metrics(tmp_path / "straight")]
+        assert [m["kl_coef"] for m in read_metrics(tmp_path / "resumed")] == coefs
+        assert len(set(coefs)) == len(coefs)  # moved every step: a resume without it would differ
 
 
 def test_concurrent_async_worker_resumes_from_the_learner_weights(micro_model_dir, tmp_path):

@@ -4,10 +4,16 @@ The public API, re-exported names only. See DESIGN.md / docs/ for the architectu
 """
 
 from softtrust import methods
-from softtrust.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
+from softtrust.advantages import (
+    ADVANTAGE_SCALES,
+    group_advantages,
+    passk_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
 from softtrust.corrections import MIS, OPSM, TIS, Reject
-from softtrust.kl import KL, KL_ESTIMATORS, kl_estimate
+from softtrust.kl import KL, KL_ESTIMATORS, AdaptiveKLController, kl_estimate
 from softtrust.logprobs import completion_logprobs, token_logprobs
 from softtrust.loss import LossOutput, PolicyLoss
 from softtrust.methods import *  # noqa: F403  (softtrust.methods.__all__: the methods and their interface)
@@ -25,6 +31,7 @@ __all__ = [
     "MIS",
     "OPSM",
     "TIS",
+    "AdaptiveKLController",
     "LossOutput",
     "PolicyLoss",
     "Reject",
@@ -33,6 +40,8 @@ __all__ = [
     "completion_logprobs",
     "group_advantages",
     "kl_estimate",
+    "passk_advantages",
+    "reinforce_pp_advantages",
     "rloo_advantages",
     "sample_truncated",
     "token_logprobs",

@@ -12,6 +12,10 @@ per token or per sequence (the product, ``exp(Σ_t m·(old - rollout))``).
 | OPSM       | drop a sequence if ``A < 0`` and ``mean_t(rollout - logp) > δ`` | DeepSeek-V3.2's off-policy sequence mask |
 | Reject     | drop a token/sequence whose divergence ``D(log ρ)`` (k1, k2, k3, ratio) leaves ``[low, high]`` | rejection sampling (verl ``rollout_rs``) |
 
+``self_normalize=True`` on TIS or MIS divides the weights by their mean over the batch
+(:func:`is_weight_mean`, verl's ``rollout_is_batch_normalize``); a trainer that splits the
+batch passes the whole batch's mean as ``state=`` (``PolicyLoss.batch_state``).
+
 Weights carry no gradient. For most methods an IS weight multiplies the per-token
 loss; VESPO instead folds ``log w`` into its sequence log-weight (see
 :func:`fold_log_weight`), as its official implementation does.
@@ -52,14 +56,23 @@ def rollout_log_ratio(
 
 @dataclass(frozen=True)
 class ImportanceCorrection:
-    """Base class of the IS corrections (TIS, MIS): a detached log-weight per token or sequence."""
+    """Base class of the IS corrections (TIS, MIS): a detached log-weight per token or sequence.
+
+    Subclasses declare the fields ``level`` (``"token"`` or ``"sequence"``) and
+    ``self_normalize`` (divide the weights by their batch mean, :func:`is_weight_mean`)
+    after their own parameters, so ``TIS(2.0)`` is ``TIS(cap=2.0)``.
+    """
 
     kind: ClassVar[str] = "is"
-    level: str = "token"
 
     def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         """``log w`` from ``log ρ`` (same shape); ``-inf`` means weight 0."""
         raise NotImplementedError
+
+    def _check(self) -> None:
+        check_choice("level", self.level, CORRECTION_LEVELS)
+        if not isinstance(self.self_normalize, bool):
+            raise ValueError(f"self_normalize must be True or False, got {self.self_normalize!r}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,8 @@ class TIS(ImportanceCorrection):
     Args:
         cap: C > 0 (verl: 2, TRL: 3).
         level: ``"token"`` (ρ per token) or ``"sequence"`` (ρ = product over the sequence).
+        self_normalize: divide the truncated weights by their mean over the batch
+            (:func:`is_weight_mean`; verl's ``rollout_is_batch_normalize``).
 
     References:
         Yao et al., "Your efficient RL framework secretly brings you off-policy RL training" (2025).
@@ -76,10 +91,11 @@ class TIS(ImportanceCorrection):
 
     cap: float = 2.0
     level: str = "token"
+    self_normalize: bool = False
 
     def __post_init__(self) -> None:
         check_number("cap", self.cap, low=0.0, low_inclusive=False)
-        check_choice("level", self.level, CORRECTION_LEVELS)
+        self._check()
 
     def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:
         return log_rho.clamp(max=math.log(self.cap))
@@ -93,18 +109,21 @@ class MIS(ImportanceCorrection):
         low: lower bound (>= 0, < high).
         high: upper bound (> low).
         level: ``"sequence"`` (default) or ``"token"``.
+        self_normalize: divide the weights by their mean over the batch, the masked (zero)
+            weights counted (:func:`is_weight_mean`; verl's ``rollout_is_batch_normalize``).
     """
 
     low: float = 0.5
     high: float = 2.0
     level: str = "sequence"
+    self_normalize: bool = False
 
     def __post_init__(self) -> None:
         check_number("low", self.low, low=0.0)
         check_number("high", self.high)
         if not self.low < self.high:
             raise ValueError(f"MIS needs low < high, got low={self.low!r}, high={self.high!r}")
-        check_choice("level", self.level, CORRECTION_LEVELS)
+        self._check()
 
     def log_weight(self, log_rho: torch.Tensor) -> torch.Tensor:
         rho = torch.exp(log_rho)
@@ -278,6 +297,64 @@ class Reject:
 
 
 Correction = ImportanceCorrection | OPSM | Reject
+
+#: the key of the IS weights' batch mean in ``PolicyLoss.batch_state`` / ``state=``
+IS_WEIGHT_MEAN = "is_weight/batch_mean"
+#: verl's guard: a batch mean at or below this is not divided by (the weights stay as they are)
+SELF_NORMALIZE_FLOOR = 1e-8
+
+
+def is_weight_mean(
+    log_weight: torch.Tensor, level: str, mask: torch.Tensor, num_active: torch.Tensor
+) -> torch.Tensor:
+    """``Σ w / n`` over the batch: the divisor of a self-normalised IS weight, 0-dim, detached.
+
+    ``w = exp(log w)`` after truncation or masking: a weight MIS masks out (``log w = -inf``)
+    is 0 and counts in ``n``. ``n`` counts active tokens (``level="token"``, ``log_weight``
+    [B, T]) or sequences with at least one active token (``"sequence"``, [B, 1]): verl's
+    ``rollout_is_batch_normalize`` (``rollout_corr_helper.compute_rollout_correction_weights``,
+    before any rejection mask). NaN stays NaN. Over micro-batches or ranks compute it once on
+    the global batch (``PolicyLoss.batch_state``) and pass it as ``state=``.
+
+    Args:
+        log_weight: [B, T] or [B, 1], the correction's ``log_weight``.
+        level: the correction's level.
+        mask: [B, T] 0/1 float. num_active: [B, 1] active tokens per row.
+    """
+    where = mask > 0 if level == "token" else num_active > 0  # [B, T] or [B, 1]
+    weight = torch.where(where, torch.exp(log_weight.detach()), 0.0)
+    return weight.sum() / where.sum().clamp(min=1)
+
+
+def self_normalized(log_weight: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``log(w / mean)``, or ``log w`` when ``mean <= 1e-8`` (verl's guard), without a host read.
+
+    Args:
+        log_weight: [B, T] or [B, 1]. mean: 0-dim, from :func:`is_weight_mean`.
+    """
+    divisor = torch.where(mean <= SELF_NORMALIZE_FLOOR, 1.0, mean)  # NaN stays NaN
+    return log_weight - torch.log(divisor).to(log_weight.dtype)
+
+
+def as_corrections(correction: object) -> tuple[Correction, ...]:
+    """``PolicyLoss(correction=...)`` as a tuple: None, one correction or a sequence of them, at
+    most one of each kind (one IS correction, one OPSM, one Reject)."""
+    if correction is None:
+        return ()
+    items = tuple(correction) if isinstance(correction, (list, tuple)) else (correction,)
+    for item in items:
+        if not isinstance(item, (ImportanceCorrection, OPSM, Reject)):
+            raise ValueError(
+                f"correction must be TIS, MIS, OPSM, Reject or a list of them, got {type(item).__name__}"
+            )
+    if sum(isinstance(item, ImportanceCorrection) for item in items) > 1:
+        raise ValueError(
+            f"correction may hold at most one importance correction (TIS or MIS), got {list(items)}"
+        )
+    for kind in (OPSM, Reject):
+        if sum(isinstance(item, kind) for item in items) > 1:
+            raise ValueError(f"correction may hold at most one {kind.__name__}, got {list(items)}")
+    return items
 
 
 def fold_log_weight(

@@ -36,12 +36,16 @@ from softtrust._validation import (
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate
 from softtrust.corrections import (
+    IS_WEIGHT_MEAN,
     OPSM,
     Correction,
     ImportanceCorrection,
     Reject,
+    as_corrections,
     fold_log_weight,
+    is_weight_mean,
     rollout_log_ratio,
+    self_normalized,
 )
 from softtrust.kl import KL, kl_estimate
 from softtrust.methods import DetachedWeightMethod, LossContext, Method, make_method
@@ -127,10 +131,11 @@ class PolicyLoss:
             )
         check_choice("aggregation", aggregation, AGGREGATIONS)
         self.aggregation = aggregation
-        self.corrections = _as_corrections(correction)
+        self.corrections = as_corrections(correction)
         self.is_correction = next((c for c in self.corrections if isinstance(c, ImportanceCorrection)), None)
         self.opsm = next((c for c in self.corrections if isinstance(c, OPSM)), None)
         self.reject = next((c for c in self.corrections if isinstance(c, Reject)), None)
+        self._self_normalizes = self.is_correction is not None and self.is_correction.self_normalize
         if kl is not None and not isinstance(kl, KL):
             raise ValueError(f"kl must be None or a softtrust.KL, got {type(kl).__name__}")
         self.kl = kl
@@ -145,8 +150,9 @@ class PolicyLoss:
         self.check_values = check_values
         self._has_batch_state = type(self.method).batch_state is not Method.batch_state
         # a detached-weight method never differentiates the ratio; an importance-corrected KL does
+        # (unless straight-through: its ratio is a detached weight)
         self._ratio_in_graph = not isinstance(self.method, DetachedWeightMethod) or bool(
-            kl is not None and kl.importance_corrected
+            kl is not None and kl.importance_corrected and not kl.straight_through
         )
 
     def __repr__(self) -> str:
@@ -162,6 +168,14 @@ class PolicyLoss:
         the whole batch's ``state=``."""
         return self._has_batch_state
 
+    @property
+    def uses_batch_state(self) -> bool:
+        """True when part of the loss is a statistic of the whole mini-batch: a method that
+        selects over it (:attr:`selects_over_batch`) or a self-normalised IS correction (its
+        batch mean). A trainer that splits the mini-batch (micro-batches, ranks) computes
+        :meth:`batch_state` once over the whole and passes it as ``state=`` to every call."""
+        return self._has_batch_state or self._self_normalizes
+
     def __call__(
         self,
         logprobs: torch.Tensor,
@@ -175,6 +189,7 @@ class PolicyLoss:
         *,
         state: dict[str, torch.Tensor] | None = None,
         generator: torch.Generator | None = None,
+        kl_coef: float | torch.Tensor | None = None,
     ) -> LossOutput:
         """Compute the loss.
 
@@ -187,14 +202,19 @@ class PolicyLoss:
             ref_logprobs: [B, T] reference-policy log-probs, for the KL term.
             num_tokens: global active-token count (``token-mean`` over micro-batches/ranks), > 0.
             num_sequences: global sequence count (``seq-mean-*`` over micro-batches/ranks), > 0.
-            state: the method's batch-wide quantities from :meth:`batch_state` over the
-                global batch (methods that select over a batch); None computes them from this batch.
+            state: the batch-wide quantities from :meth:`batch_state` over the global batch
+                (a method's selection, a self-normalised IS correction's mean); a part it lacks
+                (or None) is computed from this batch.
             generator: random generator for methods that draw.
+            kl_coef: β for this call instead of ``kl.coef`` (an adaptive controller's,
+                :class:`~softtrust.kl.AdaptiveKLController`), >= 0; needs ``kl``.
 
         Returns:
             :class:`LossOutput`. The math runs in float32 (float64 stays float64). An
             empty batch (B = 0 or T = 0, or no active token) gives loss 0 and gradient 0.
         """
+        if kl_coef is not None:
+            _check_kl_coef(kl_coef, self.kl)
         batch = self._inputs(
             logprobs,
             old_logprobs,
@@ -205,21 +225,26 @@ class PolicyLoss:
             num_tokens,
             num_sequences,
         )
+        given = {} if state is None else state
+        batch, is_mean = self._normalized_is(batch, given)
         ctx, loss_weight, stats = self._context(batch, generator)
-        if state is None and self._has_batch_state:
+        method_state = {key: value for key, value in given.items() if key not in _LOSS_STATE_KEYS}
+        if not method_state and self._has_batch_state:
             with torch.no_grad():
-                state = self.method.batch_state(ctx)
-        if state:
-            ctx = ctx._replace(state=state)
+                method_state = self.method.batch_state(ctx)
+        if method_state:
+            ctx = ctx._replace(state=method_state)
         per_token_loss, method_stats = self.method.loss(ctx)  # broadcastable to [B, T]
         if loss_weight is not None:  # IS weight (unless folded) × OPSM keep × Reject keep; detached
             per_token_loss = per_token_loss * loss_weight
         per_token_kl = None
         if self.kl is not None:
             per_token_kl = kl_estimate(ctx.logprobs, batch.ref, self.kl.estimator, self.log_ratio_clamp)
-            if self.kl.importance_corrected:
-                per_token_kl = per_token_kl * torch.exp(ctx.token_log_ratio)
-            per_token_loss = per_token_loss + self.kl.coef * per_token_kl  # [B, T]
+            if self.kl.importance_corrected:  # × r; detached for k2's gradient (straight-through)
+                ratio = torch.exp(ctx.token_log_ratio)  # [B, T]
+                per_token_kl = per_token_kl * (ratio.detach() if self.kl.straight_through else ratio)
+            coef = self.kl.coef if kl_coef is None else kl_coef
+            per_token_loss = per_token_loss + coef * per_token_kl  # [B, T]
         loss = aggregate(
             per_token_loss,
             ctx.mask,
@@ -240,6 +265,8 @@ class PolicyLoss:
                 ctx.mask,
                 ctx.num_active,
             )
+            if is_mean is not None:
+                metrics[IS_WEIGHT_MEAN] = is_mean.detach()
         return LossOutput(loss, metrics)
 
     def batch_state(
@@ -254,17 +281,33 @@ class PolicyLoss:
         *,
         generator: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The method's batch-wide quantities (:meth:`~softtrust.methods.Method.batch_state`), detached.
+        """The loss's batch-wide quantities, detached: the method's
+        (:meth:`~softtrust.methods.Method.batch_state`) and a self-normalised IS correction's
+        mean (``"is_weight/batch_mean"``, :func:`~softtrust.corrections.is_weight_mean`).
 
         Call it once on the whole (global) batch, then pass ``state=`` to each
-        micro-batch call: the micro-batch losses then add up to the whole-batch loss
-        for methods that select over a batch. Empty for methods that need nothing.
+        micro-batch call: the micro-batch losses then add up to the whole-batch loss.
+        Empty when the loss needs none (:attr:`uses_batch_state` is False).
         """
         with torch.no_grad():
             batch = self._inputs(
                 logprobs, old_logprobs, advantages, mask, rollout_logprobs, None, num_tokens, num_sequences
             )
-            return self.method.batch_state(self._context(batch, generator)[0])
+            batch, is_mean = self._normalized_is(batch, {})
+            state = {} if is_mean is None else {IS_WEIGHT_MEAN: is_mean}
+            if self._has_batch_state:
+                state.update(self.method.batch_state(self._context(batch, generator)[0]))
+            return state
+
+    def _normalized_is(self, batch: _Batch, given: dict) -> tuple[_Batch, torch.Tensor | None]:
+        """``batch`` with its IS log-weight self-normalised (``log w - log mean``), and the mean:
+        ``given``'s (the global batch's) or this batch's; ``(batch, None)`` without self-normalisation."""
+        if not self._self_normalizes:
+            return batch, None
+        mean = given.get(IS_WEIGHT_MEAN)
+        if mean is None:
+            mean = is_weight_mean(batch.is_log_weight, self.is_correction.level, batch.mask, batch.num_active)
+        return batch._replace(is_log_weight=self_normalized(batch.is_log_weight, mean)), mean
 
     def _context(self, batch: _Batch, generator: torch.Generator | None):
         """Ratios at the level, the behaviour correction, and the method's context.
@@ -438,6 +481,10 @@ class PolicyLoss:
         )
 
 
+# keys of ``state`` that belong to the loss's own parts, not to the method
+_LOSS_STATE_KEYS = (IS_WEIGHT_MEAN,)
+
+
 class _Batch(NamedTuple):
     """Checked inputs in the compute dtype: masked entries finite (see ``PolicyLoss._inputs``)."""
 
@@ -495,23 +542,16 @@ def _upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return _UpcastSaturatingGrad.apply(x, dtype)
 
 
-def _as_corrections(correction: object) -> tuple[Correction, ...]:
-    if correction is None:
-        return ()
-    items = tuple(correction) if isinstance(correction, (list, tuple)) else (correction,)
-    for item in items:
-        if not isinstance(item, (ImportanceCorrection, OPSM, Reject)):
+def _check_kl_coef(kl_coef: object, kl: KL | None) -> None:
+    if kl is None:
+        raise ValueError(f"kl_coef={kl_coef!r} needs a KL term (PolicyLoss(kl=st.KL(...))), got kl=None")
+    if isinstance(kl_coef, torch.Tensor):
+        if kl_coef.dim() != 0 or not kl_coef.is_floating_point():
             raise ValueError(
-                f"correction must be TIS, MIS, OPSM, Reject or a list of them, got {type(item).__name__}"
+                f"kl_coef must be a number or a 0-dim float tensor, got shape {tuple(kl_coef.shape)}"
             )
-    if sum(isinstance(item, ImportanceCorrection) for item in items) > 1:
-        raise ValueError(
-            f"correction may hold at most one importance correction (TIS or MIS), got {list(items)}"
-        )
-    for kind in (OPSM, Reject):
-        if sum(isinstance(item, kind) for item in items) > 1:
-            raise ValueError(f"correction may hold at most one {kind.__name__}, got {list(items)}")
-    return items
+    else:
+        check_number("kl_coef", kl_coef, low=0.0)
 
 
 def _check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tensor:

@@ -4,7 +4,8 @@ Layout under ``<run>/checkpoints/``::
 
     step-000064/model.safetensors   the policy weights (safetensors)
     step-000064/state.pt            optimizer, scheduler, RNG states, step, the rollout source's state,
-                                    counters (tensors and plain Python only: weights_only=True loads it)
+                                    counters, the adaptive KL coefficient (tensors and plain Python only:
+                                    weights_only=True loads it)
 
 ``save_state`` / ``restore_state`` take the trainer's ``TrainState`` (``state.py``).
     latest                          the name of the newest complete checkpoint
@@ -186,6 +187,8 @@ def save_state(directory: Path, state: TrainState, config_yaml: str, keep: int) 
         "counters": state.counters(),
         "config": config_yaml,
     }
+    if learner.kl_controller is not None:  # --kl-target: the coefficient it has moved to
+        payload["kl_controller"] = learner.kl_controller.state_dict()
     model_state = learner.model_state()
     path = None
     if learner.world.is_main:
@@ -214,4 +217,6 @@ def restore_state(checkpoint: Path, state: TrainState) -> None:
     state.sampler.rng.setstate((version, tuple(internal), gauss))
     state.rollouts.load_state(payload["rollouts"])
     state.load_counters(payload["counters"])
+    if learner.kl_controller is not None and "kl_controller" in payload:
+        learner.kl_controller.load_state_dict(payload["kl_controller"])
     state.step = int(payload["step"])

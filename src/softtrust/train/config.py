@@ -18,6 +18,7 @@ import yaml
 
 from softtrust._optional import require
 from softtrust.aggregation import AGGREGATIONS
+from softtrust.kl import KL_ESTIMATORS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
@@ -28,7 +29,7 @@ PROXIMAL = ("none", "recompute", "loglinear")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce++", "passk")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
 # docs/main_job.md: seeds 0-4 under the default, avx2 and avx512 kernels reach it after 260-750
@@ -141,15 +142,45 @@ class TrainConfig:
     aggregation: str = _field("token-mean", "Loss aggregation: " + " | ".join(AGGREGATIONS) + ".")
     correction: str | None = _field(
         None,
-        "Behaviour correction: tis | mis | opsm | reject, with parameters, e.g. 'tis:cap=2,level=token' or "
+        "Behaviour correction: tis | mis | opsm | reject, with parameters, e.g. 'tis:cap=2,level=token' "
+        "(self_normalize=true: the weights divided by their mini-batch mean) or "
         "'reject:divergence=k3,level=sequence-mean,high=0.01'; join one IS correction (tis, mis) with opsm "
         "and/or reject by '+', e.g. 'tis:cap=2+reject:divergence=ratio,low=0.999,high=1.001'; 'none' is no bound.",
     )
     kl_coef: float = _field(
         0.0, "KL penalty coefficient towards the initial (warm-start) policy; 0 disables it.", low=0
     )
-    kl_estimator: str = _field("k3", "KL estimator: k1 | k2 | k3.")
-    advantage_scale: str = _field("group", "Advantage scaling: group (GRPO) | batch | none (Dr. GRPO).")
+    kl_estimator: str = _field(
+        "k3",
+        "KL estimator: " + " | ".join(KL_ESTIMATORS) + " (k1+, k3+: that value with k2's gradient, the "
+        "unbiased KL gradient; abs: |log-ratio|).",
+    )
+    kl_target: float | None = _field(
+        None,
+        "Adaptive KL (PPO): steer the KL coefficient, starting at --kl-coef, towards this KL: after each "
+        "step beta <- beta (1 + clip(KL / target - 1, -0.2, 0.2) n / --kl-horizon), KL the step's loss/kl "
+        "(its --kl-estimator's token mean), n its rows; logged as kl_coef. 'none': a fixed coefficient.",
+        low=0,
+        low_open=True,
+    )
+    kl_horizon: float = _field(
+        10_000, "Adaptive KL: the horizon (in rows) of --kl-target's controller.", low=0, low_open=True
+    )
+    advantages: str = _field(
+        "group",
+        "Advantage estimator: group (R - group mean, scaled by --advantage-scale: GRPO) | rloo (R - mean of "
+        "the other G-1) | reinforce++ (R - group mean, whitened over the rollout's tokens) | passk (Pass@k "
+        "training: the best-of-k subsets' advantage, --passk-k).",
+    )
+    advantage_scale: str | None = _field(
+        None,
+        "Advantage scaling of --advantages group or rloo: group (the group's reward std: GRPO) | batch (the "
+        "rollout's) | none (Dr. GRPO) (default: group for group, none for rloo; reinforce++ and passk "
+        "normalise themselves and refuse it).",
+    )
+    passk_k: int | None = _field(
+        None, "--advantages passk: k, the size of the subsets (1 <= k < --group-size).", low=1
+    )
     # --- staleness
     staleness: int = _field(
         8,
@@ -323,7 +354,11 @@ class TrainConfig:
         """A copy with the defaults that depend on other fields filled in (``effective_sft_steps``,
         ``effective_max_new_tokens``): what a run trains with and records in ``config.yaml``, so
         a rerun or a resume from it uses the same values whatever the defaults become."""
-        return self.replace(sft_steps=self.effective_sft_steps, max_new_tokens=self.effective_max_new_tokens)
+        return self.replace(
+            sft_steps=self.effective_sft_steps,
+            max_new_tokens=self.effective_max_new_tokens,
+            advantage_scale=self.effective_advantage_scale,
+        )
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> TrainConfig:
@@ -362,8 +397,13 @@ class TrainConfig:
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
             require("tensorboard", "--report-to tensorboard", name="report_to")
-        need(self.advantage_scale in ADVANTAGE_SCALES, "advantage_scale", f"choose one of {ADVANTAGE_SCALES}")
+        self._validate_advantages(need)
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"choose one of {KL_ESTIMATORS}")
+        need(
+            self.kl_target is None or self.kl_coef > 0,
+            "kl_target",
+            "the adaptive KL controller starts from --kl-coef and scales it, so it needs --kl-coef > 0",
+        )
         need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
         need(
             not self.device.startswith("cuda") or torch.cuda.is_available(),
@@ -385,6 +425,39 @@ class TrainConfig:
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
         return self
+
+    def _validate_advantages(self, need) -> None:
+        need(self.advantages in ADVANTAGE_ESTIMATORS, "advantages", f"choose one of {ADVANTAGE_ESTIMATORS}")
+        scaled = self.advantages in ("group", "rloo")
+        need(
+            self.advantage_scale is None or self.advantage_scale in ADVANTAGE_SCALES,
+            "advantage_scale",
+            f"choose one of {ADVANTAGE_SCALES}",
+        )
+        need(
+            self.advantage_scale is None or scaled,
+            "advantage_scale",
+            f"--advantages {self.advantages} normalises its advantages itself (reinforce++: whitened over the "
+            "rollout's tokens; passk: by its subsets' std); drop --advantage-scale",
+        )
+        need(
+            (self.passk_k is not None) == (self.advantages == "passk"),
+            "passk_k",
+            "--advantages passk needs --passk-k, and --passk-k is for --advantages passk only",
+        )
+        need(
+            self.passk_k is None or self.passk_k < self.group_size,
+            "passk_k",
+            f"must be below --group-size {self.group_size} (k = G leaves one subset: every advantage 0)",
+        )
+
+    @property
+    def effective_advantage_scale(self) -> str | None:
+        """``advantage_scale`` when given; else ``group`` for ``--advantages group`` (GRPO), ``none``
+        for ``rloo`` (RLOO as published), None for the estimators that normalise themselves."""
+        if self.advantage_scale is not None:
+            return self.advantage_scale
+        return {"group": "group", "rloo": "none"}.get(self.advantages)
 
     @property
     def uses_embedded_model(self) -> bool:

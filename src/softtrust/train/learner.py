@@ -21,6 +21,7 @@ import torch
 
 import softtrust as st
 from softtrust._metrics import reduction_of
+from softtrust.kl import AdaptiveKLController
 from softtrust.loss import PolicyLoss
 
 from .config import TrainConfig
@@ -88,7 +89,8 @@ class BatchTensors(NamedTuple):
 class Learner:
     """The model as the learner holds it and the update it takes: the plain causal LM, the wrapped
     forward (DDP or FSDP2 under torchrun), the optimizer and scheduler, the loss, the KL
-    reference (or None) and this process's ``World``."""
+    reference (or None), the adaptive KL controller of ``--kl-target`` (or None) and this
+    process's ``World``."""
 
     model: torch.nn.Module
     policy: torch.nn.Module
@@ -100,6 +102,7 @@ class Learner:
     loss_fn: PolicyLoss
     config: TrainConfig
     reference: torch.nn.Module | None = None
+    kl_controller: AdaptiveKLController | None = None
 
     def update(self, minibatch: MiniBatch) -> dict:
         """One optimizer step on ``minibatch``; returns its metrics (``skipped`` = 1 when a
@@ -130,6 +133,7 @@ class Learner:
                 rollout_logprobs=inputs.rollout_logprobs,
                 ref_logprobs=inputs.ref_logprobs,
                 state=state,
+                kl_coef=None if self.kl_controller is None else self.kl_controller.coef,
                 **normalisers,
             )
             results.append((logprobs.detach(), out, float(batch.mask[rows].sum())))
@@ -140,6 +144,7 @@ class Learner:
                 (out.loss * self.world.size).backward()  # DDP / FSDP2 average over ranks: P x mean = sum
         metrics = self.update_metrics(batch, results)
         metrics.update(self.optimizer_step(finite))
+        metrics.update(self.adapt_kl(metrics, batch))
         metrics["time/update"] = time.perf_counter() - started
         return metrics
 
@@ -204,15 +209,21 @@ class Learner:
     def batch_state(
         self, batch: UpdateBatch, pieces: list[slice], logprobs: torch.Tensor, inputs: LossInputs
     ) -> dict | None:
-        """A batch-wide method's state (M2PO, KL-Cov, Clip-Cov, BAPO) from the whole mini-batch,
-        every rank's rows (``global_batch_state``); None for other methods. One piece: its own
-        log-probs and loss inputs; several: every row's current log-probs from a no-grad pass."""
-        if not self.loss_fn.selects_over_batch:
+        """The loss's batch-wide state from the whole mini-batch, every rank's rows
+        (``global_batch_state``): a selecting method's (M2PO, KL-Cov, Clip-Cov, BAPO) and a
+        self-normalised IS correction's mean; None when the loss needs none. One piece: its own
+        log-probs and loss inputs; several: every row's current log-probs from a no-grad pass,
+        skipped when only a correction needs state and the behaviour log-probs are recorded
+        (its mean reads those and the sampler's only)."""
+        if not self.loss_fn.uses_batch_state:
             return None
         old, rollout = inputs.old_logprobs, inputs.rollout_logprobs
         if len(pieces) > 1:
-            with torch.no_grad():
-                logprobs = torch.cat([self.logprobs(self.policy, batch, rows) for rows in pieces])
+            if self.loss_fn.selects_over_batch or batch.old_logprobs is None:
+                with torch.no_grad():
+                    logprobs = torch.cat([self.logprobs(self.policy, batch, rows) for rows in pieces])
+            else:  # a stand-in the correction never reads
+                logprobs = batch.old_logprobs
             old = logprobs if batch.old_logprobs is None else batch.old_logprobs
             rollout = batch.rollout_logprobs
         tensors = BatchTensors(logprobs.detach(), old, batch.advantages, batch.mask, rollout)
@@ -239,6 +250,19 @@ class Learner:
         if self.config.proximal != "none":
             metrics["proximal/alpha"] = proximal_alpha(batch)
         return metrics
+
+    def adapt_kl(self, metrics: dict, batch: UpdateBatch) -> dict:
+        """``kl_coef``, the β this step used; with ``--kl-target`` the controller then moves β for the
+        next step from the step's measured KL, ``loss/kl`` (the mini-batch's token mean of the
+        ``--kl-estimator`` estimate, every rank's), and its rows, every rank's."""
+        if self.loss_fn.kl is None:
+            return {}
+        if self.kl_controller is None:
+            return {"kl_coef": self.loss_fn.kl.coef}
+        used = self.kl_controller.coef
+        measured = metrics.get("loss/kl", math.nan)
+        self.kl_controller.update(measured, int(self.world.sum(batch.mask.shape[0])))
+        return {"kl_coef": used}
 
     def optimizer_step(self, finite: bool) -> dict:
         """Clip the gradient and step, unless the loss or the gradient norm is not finite (then the
@@ -302,8 +326,8 @@ def global_batch_state(
     batch, so it is identical on all ranks and equal to one process's (up to the summation
     order of KL-Cov's/Clip-Cov's means). This is exact for any method, whatever its statistic
     (M2PO's cut needs every token's ``d²``; KL-Cov's and Clip-Cov's thresholds are order
-    statistics of the global batch; BAPO's sums could be all-reduced, but one gather serves
-    all). The gather moves ``4 b T`` numbers per rank, small next to the gradient all-reduce.
+    statistics of the global batch; BAPO's sums and a self-normalised IS correction's mean
+    could be all-reduced, but one gather serves all). The gather moves ``4 b T`` numbers per rank, small next to the gradient all-reduce.
 
     Args:
         tensors: this rank's ``BatchTensors`` (``logprobs``: the current policy's, detached).

@@ -100,3 +100,12 @@ def with_behaviour_weight(correction):
     if any(isinstance(item, st.corrections.ImportanceCorrection) for item in items):
         return correction
     return [st.TIS(cap=math.exp(DEFAULT_LOG_RATIO_CLAMP), level="token"), *items]
+
+
+def build_kl_controller(config: TrainConfig):
+    """The adaptive KL controller of ``--kl-target`` (``softtrust.AdaptiveKLController``), or None."""
+    import softtrust as st
+
+    if config.kl_target is None:
+        return None
+    return st.AdaptiveKLController(coef=config.kl_coef, target=config.kl_target, horizon=config.kl_horizon)

@@ -21,6 +21,7 @@ import torch
 
 import softtrust as st
 
+from .advantage_config import advantages_of
 from .checkpoint import find_checkpoint, restore_state, run_directory_of, save_state
 from .config import DTYPES, TrainConfig, resolve_device
 from .distributed import (
@@ -33,7 +34,7 @@ from .distributed import (
     wrap_policy,
 )
 from .learner import Learner, build_optimizer, evaluate
-from .loss_config import build_method_loss
+from .loss_config import build_kl_controller, build_method_loss
 from .options import resume_config
 from .rollout import (
     ProblemSampler,
@@ -129,7 +130,8 @@ def train_step(session: Session, config: TrainConfig, progress) -> None:
     rollout = rollouts.collect(state.step, session.sampler_model)
     if rollout is not None:
         # 2. advantages: group-relative, from the rewards of the whole rollout
-        rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world))
+        lengths = rollout.batch.completion_mask.sum(dim=1)  # [rows] completion tokens
+        rollouts.add(rollout, rollout_advantages(rollout.batch.rewards, config, world, lengths))
         warn_if_cut(session.run, rollout.batch, session.tokenizer, config, state.step)
     minibatch = rollouts.next(state.step)
     collect_seconds = time.time() - collect_start
@@ -193,8 +195,9 @@ def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session
     scorer = RewardScorer(task, strict=config.strict_reward)
     optimizer, scheduler = build_optimizer(model, config)
     learner = Learner(
-        model, policy, optimizer, scheduler, world, kept_names, final_names, loss_fn, config, reference
-    )
+        model, policy, optimizer, scheduler, world, kept_names, final_names, loss_fn, config, reference,
+        build_kl_controller(config),
+    )  # fmt: skip
     rollouts = build_rollout_source(config, model, tokenizer, sampler, scorer, world)
     state = TrainState(learner, rollouts, sampler)
     session = Session(
@@ -236,20 +239,26 @@ def warn_if_cut(run: RunLog, batch: RolloutBatch, tokenizer, config: TrainConfig
 
 
 def rollout_advantages(
-    rewards: torch.Tensor, config: TrainConfig, world: World | None = None
+    rewards: torch.Tensor,
+    config: TrainConfig,
+    world: World | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This rank's advantages ``[rows]`` from its rows' ``rewards``, normalised over the whole
-    rollout: group-relative (``softtrust.group_advantages``, ``advantage_scale``), with every
-    rank's rewards gathered in global order under ``torchrun``."""
+    """This rank's advantages ``[rows]`` from its rows' ``rewards`` (and completion ``lengths``,
+    which REINFORCE++ whitens over; default: one token a row), normalised over the whole rollout
+    (``advantage_config.advantages_of``: ``--advantages``, ``--advantage-scale``), with every
+    rank's rewards and lengths gathered in global order under ``torchrun``."""
     world = world or World()
-    group_size = config.group_size
+    lengths = torch.ones_like(rewards, dtype=torch.long) if lengths is None else lengths.cpu()
     if not world.distributed:
-        return st.group_advantages(rewards, group_size, scale=config.advantage_scale)
+        return advantages_of(rewards, lengths, config)
+    group_size = config.group_size
     num_groups = rewards.shape[0] * world.size // group_size
     groups = world.local_groups(num_groups, config.prompts_per_step)
     rows = [group * group_size + member for group in groups for member in range(group_size)]
     everyone = world.gather_rows(rewards, rows, num_groups * group_size)  # [N x m x G]
-    return st.group_advantages(everyone, group_size, scale=config.advantage_scale)[rows]
+    all_lengths = world.gather_rows(lengths, rows, num_groups * group_size)
+    return advantages_of(everyone, all_lengths, config)[rows]
 
 
 def step_metrics(
