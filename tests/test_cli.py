@@ -172,6 +172,11 @@ def not_a_causal_lm(tmp_path: Path) -> str:
         (["--correction", "reject:divergence=k9"], "correction"),
         (["--correction", "tis:cap=-1"], "correction"),  # was reported as a method_params error
         (["--mode", "eventually"], "mode"),
+        (["--old-logprobs", "cached"], "old_logprobs"),
+        # async's pi_old is the sampler's
+        (["--mode", "async", "--old-logprobs", "recompute"], "old_logprobs"),
+        (["--old-logprobs", "sampler", "--correction", "tis:cap=2"], "old_logprobs"),  # weight 1: no effect
+        (["--old-logprobs", "sampler", "--correction", "opsm+reject"], "old_logprobs"),
         (["--proximal", "recompute"], "proximal"),  # sync mode: no worker policy to decouple from
         (["--mode", "async", "--proximal", "loglinear", "--method", "m2po"], "proximal"),
         (["--mode", "async", "--proximal", "exact"], "proximal"),

@@ -139,9 +139,10 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     "schedule",
     [
         dict(staleness=3, method="vespo"),  # sync: the checkpoint falls inside a rollout
+        dict(staleness=3, method="clip", old_logprobs="sampler"),  # bypass: pi_old from the sampler
         dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip"),  # lagged async
     ],
-    ids=["sync", "lagged-async"],
+    ids=["sync", "sync-sampler-old-logprobs", "lagged-async"],
 )
 def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_path, schedule):
     train(micro_config(micro_model_dir, tmp_path / "straight", max_steps=6, **schedule))

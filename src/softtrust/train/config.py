@@ -29,6 +29,7 @@ MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGPROBS = ("recompute", "sampler")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
 # docs/main_job.md: seeds 0-4 under the default, avx2 and avx512 kernels reach it after 260-750
@@ -177,6 +178,14 @@ class TrainConfig:
             "no concurrency."
         },
     )
+    old_logprobs: str | None = _field(
+        None,
+        "Where pi_old comes from. recompute: the learner's own no-grad forward of each rollout before "
+        "any update (N = 1: the update's own detached log-probs). sampler: the log-probs the sampler "
+        "recorded, no behaviour forward (verl's bypass mode); the ratio then carries the "
+        "train/inference mismatch and kl_mismatch is not logged. Default: recompute in sync mode; "
+        "async mode always takes the sampler's.",
+    )
     mismatch: str = _field(
         "none",
         "Train/inference mismatch: score rollouts with other numerics (bf16 | fp16 autocast) than the fp32 learner.",
@@ -321,9 +330,13 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """A copy with the defaults that depend on other fields filled in (``effective_sft_steps``,
-        ``effective_max_new_tokens``): what a run trains with and records in ``config.yaml``, so
+        ``effective_max_new_tokens``, ``effective_old_logprobs``): what a run trains with and records in ``config.yaml``, so
         a rerun or a resume from it uses the same values whatever the defaults become."""
-        return self.replace(sft_steps=self.effective_sft_steps, max_new_tokens=self.effective_max_new_tokens)
+        return self.replace(
+            sft_steps=self.effective_sft_steps,
+            max_new_tokens=self.effective_max_new_tokens,
+            old_logprobs=self.effective_old_logprobs,
+        )
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> TrainConfig:
@@ -358,6 +371,7 @@ class TrainConfig:
         )
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
+        self._check_old_logprobs(need)
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
@@ -385,6 +399,38 @@ class TrainConfig:
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
         return self
+
+    def _check_old_logprobs(self, need) -> None:
+        """``--old-logprobs``: a known source; async mode's pi_old is the sampler's; a correction that
+        compares pi_old with the sampler's log-probs has nothing to weigh when they are the same."""
+        need(
+            self.old_logprobs is None or self.old_logprobs in OLD_LOGPROBS,
+            "old_logprobs",
+            f"choose one of {OLD_LOGPROBS}",
+        )
+        need(
+            not (self.mode == "async" and self.old_logprobs == "recompute"),
+            "old_logprobs",
+            "async mode takes pi_old from the sampler (the worker's own log-probs); for an anchor "
+            "recomputed by the learner use --proximal recompute",
+        )
+        compared = {part.partition(":")[0].strip() for part in (self.correction or "").split("+")}
+        bypass = self.mode == "sync" and self.old_logprobs == "sampler"
+        need(
+            not (bypass and compared & {"tis", "mis", "reject"}),
+            "old_logprobs",
+            "with --old-logprobs sampler pi_old is the sampler's log-probs, so --correction tis, mis or "
+            "reject would weigh pi_old/mu = 1 (no effect); the ratio pi_theta/mu already carries the "
+            "mismatch (verl's bypass mode with ppo_clip): drop them (opsm still applies)",
+        )
+
+    @property
+    def effective_old_logprobs(self) -> str:
+        """``old_logprobs`` when given; else ``recompute`` in sync mode and ``sampler`` in async
+        mode (whose pi_old is the worker's log-probs). Read this, never the field."""
+        if self.old_logprobs is not None:
+            return self.old_logprobs
+        return "sampler" if self.mode == "async" else "recompute"
 
     @property
     def uses_embedded_model(self) -> bool:

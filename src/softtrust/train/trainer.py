@@ -500,6 +500,7 @@ def build_rollout_source(
             keep_rollout_logprobs=dtype is not None or config.correction is not None,
             world=world,
             micro_batch_size=config.micro_batch_size,
+            old_logprobs=config.effective_old_logprobs,
         )
     if config.lag_schedule:
         return LaggedRollouts(
