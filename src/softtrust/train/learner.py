@@ -164,8 +164,11 @@ class Learner:
         sum to its loss; empty for one piece in one process (the loss counts them itself)."""
         if not (self.world.distributed or pieces > 1):
             return {}
+        tokens = self.world.sum(batch.mask.sum())
         return {
-            "num_tokens": self.world.sum(batch.mask.sum()),
+            # no active token anywhere (--mask-truncated cut every row): every piece's loss is 0 over
+            # any normaliser, and the loss refuses a count of 0
+            "num_tokens": tokens if tokens > 0 else 1.0,
             "num_sequences": self.world.sum(batch.mask.shape[0]),
         }
 
