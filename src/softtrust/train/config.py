@@ -233,6 +233,34 @@ class TrainConfig:
         low_open=True,
         high=1,
     )
+    # --- DAPO's rollout rules (dapo.py)
+    filter_groups: bool = _field(
+        False,
+        "Dynamic sampling (DAPO; verl's filter_groups): drop every group whose G rewards are all "
+        "equal (zero advantage) and sample more groups until the rollout is full, in sync and async "
+        "mode; the rewards compared are those the advantages use (--overlong-penalty included).",
+    )
+    filter_groups_max_draws: int = _field(
+        10,
+        "--filter-groups: the most generation passes per rollout, the first included; when they "
+        "leave too few groups, the rollout is filled up with dropped groups (zero advantage) and the "
+        "trainer warns once.",
+        low=1,
+    )
+    mask_truncated: bool = _field(
+        False,
+        "Completions cut at --max-new-tokens (no end token) add no loss: their completion mask is "
+        "zeroed, while their rewards still count in their group (TRL's mask_truncated_completions).",
+    )
+    overlong_penalty: list[float] = field(
+        default_factory=list,
+        metadata={
+            "help": "DAPO's soft overlong punishment 'L_cache,penalty': a completion of L sampled tokens "
+            "(end token included) gets -penalty * (L - (L_max - L_cache)) / L_cache added to its reward "
+            "when L > L_max - L_cache, L_max = --max-new-tokens (-penalty at the limit; verl's "
+            "overlong_buffer len and penalty_factor). Empty: off."
+        },
+    )
     # --- optimisation
     lr: float = _field(3e-4, "AdamW learning rate.", low=0, low_open=True)
     weight_decay: float = _field(0.0, "AdamW weight decay.", low=0)
@@ -372,6 +400,7 @@ class TrainConfig:
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         self._check_old_logprobs(need)
+        self._check_overlong_penalty()
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
@@ -423,6 +452,20 @@ class TrainConfig:
             "reject would weigh pi_old/mu = 1 (no effect); the ratio pi_theta/mu already carries the "
             "mismatch (verl's bypass mode with ppo_clip): drop them (opsm still applies)",
         )
+
+    def _check_overlong_penalty(self) -> None:
+        """``--overlong-penalty L_cache,penalty``: two numbers, ``L_cache`` a whole number of tokens
+        in ``[1, --max-new-tokens]`` (verl asserts both bounds), ``penalty > 0``."""
+        if not self.overlong_penalty:
+            return
+        limit = self.effective_max_new_tokens
+        values = self.overlong_penalty
+        cache_ok = len(values) == 2 and float(values[0]).is_integer() and 1 <= values[0] <= limit
+        if not (cache_ok and values[1] > 0):
+            raise ValueError(
+                f"overlong_penalty: expected L_cache,penalty with L_cache a whole number of tokens in "
+                f"[1, --max-new-tokens = {limit}] and penalty > 0 (got {values!r})"
+            )
 
     @property
     def effective_old_logprobs(self) -> str:
