@@ -172,6 +172,19 @@ def not_a_causal_lm(tmp_path: Path) -> str:
         (["--correction", "reject:divergence=k9"], "correction"),
         (["--correction", "tis:cap=-1"], "correction"),  # was reported as a method_params error
         (["--mode", "eventually"], "mode"),
+        (["--filter-groups", "--filter-groups-max-draws", "0"], "filter_groups_max_draws"),
+        (["--overlong-penalty", "4"], "overlong_penalty"),  # L_cache without the penalty
+        (["--overlong-penalty", "0,1"], "overlong_penalty"),  # an empty buffer
+        (["--overlong-penalty", "2.5,1"], "overlong_penalty"),  # a fraction of a token
+        (["--overlong-penalty", "7,1"], "overlong_penalty"),  # longer than the embedded model's 6 tokens
+        (["--overlong-penalty", "4,0"], "overlong_penalty"),
+        (["--overlong-penalty", "4,-1"], "overlong_penalty"),  # the sign is the option's: a penalty > 0
+        (["--overlong-penalty", "4,inf"], "overlong_penalty"),
+        (["--old-logprobs", "cached"], "old_logprobs"),
+        # async's pi_old is the sampler's
+        (["--mode", "async", "--old-logprobs", "recompute"], "old_logprobs"),
+        (["--old-logprobs", "sampler", "--correction", "tis:cap=2"], "old_logprobs"),  # weight 1: no effect
+        (["--old-logprobs", "sampler", "--correction", "opsm+reject"], "old_logprobs"),
         (["--proximal", "recompute"], "proximal"),  # sync mode: no worker policy to decouple from
         (["--mode", "async", "--proximal", "loglinear", "--method", "m2po"], "proximal"),
         (["--mode", "async", "--proximal", "exact"], "proximal"),
@@ -255,6 +268,9 @@ def test_unknown_yaml_field_is_rejected_by_name(tmp_path, capsys):
         ("lag_schedule: [0, 1.5]\n", "lag_schedule"),
         ("lr: null\n", "lr"),
         ("max_steps: [4]\n", "max_steps"),
+        ("filter_groups: 1\n", "filter_groups"),
+        ("mask_truncated: maybe\n", "mask_truncated"),
+        ("overlong_penalty: [4, true]\n", "overlong_penalty"),
     ],
 )
 def test_yaml_values_are_checked_like_the_flags(yaml_text, field, tmp_path, capsys):

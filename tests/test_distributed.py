@@ -69,6 +69,11 @@ def digit_reward(completion: str, answer: str) -> float:
     return sum(character.isdigit() for character in completion) / 3
 
 
+def coarse_reward(completion: str, answer: str) -> float:
+    """1 when the completion starts with a digit: groups of 2 often score alike (--filter-groups)."""
+    return float(completion[:1].isdigit())
+
+
 @pytest.fixture(scope="module")
 def micro_model_dir(tmp_path_factory) -> str:
     """A tiny Qwen2 with the char tokenizer (``save_pretrained``) and ``sums.jsonl``."""
@@ -408,6 +413,31 @@ def test_async_lagged_rollouts_on_two_processes_match_one(micro_model_dir, initi
         final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights, steps=5
     )
     assert [m["lag"] for m in read_metrics(tmp_path / "two")] == [0, 1, 1, 0, 2]
+
+
+# ---------------------------------------------------------------------- dynamic sampling (--filter-groups)
+def test_filter_groups_on_two_processes_keeps_the_groups_one_process_keeps(
+    micro_model_dir, initial_weights, tmp_path
+):
+    """Every rank gathers every rank's groups of each pass, so both ranks keep the groups one
+    process keeps (the same passes, drops and fills) and take their share of them in the usual
+    layout: the weights equal one process's. Groups of 2 with a 0/1 reward: many are dropped."""
+    values = dict(
+        filter_groups=True,
+        filter_groups_max_draws=3,
+        group_size=2,
+        reward="test_distributed:coarse_reward",
+        mask_truncated=True,
+        max_steps=4,
+    )
+    train(TrainConfig(**run_config(micro_model_dir, tmp_path / "one", **values)))
+    torchrun(run_config(micro_model_dir, tmp_path / "two", **values))
+
+    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights)
+    keys = ("filter/draws", "filter/groups_dropped", "filter/groups_filled", "reward/mean")
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [[m.get(key) for key in keys] for m in two] == [[m.get(key) for key in keys] for m in one]
+    assert sum(m.get("filter/groups_dropped", 0) for m in one) > 0
 
 
 # ---------------------------------------------------------------------- batch-wide selections over ranks

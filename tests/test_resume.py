@@ -125,6 +125,9 @@ def test_a_torn_last_metrics_line_does_not_stop_a_resume(micro_model_dir, tmp_pa
 
 
 # ---------------------------------------------------------------------- k + k = 2k
+DAPO = dict(reward="test_train:coarse_reward", group_size=2, mask_truncated=True, overlong_penalty=[2, 0.5])
+
+
 def assert_same_run(straight: Path, resumed: Path) -> None:
     """Bitwise: the final weights and the per-step rewards, losses and gradient norms."""
     a, b = model_parameters(straight), model_parameters(resumed)
@@ -139,11 +142,16 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
     "schedule",
     [
         dict(staleness=3, method="vespo"),  # sync: the checkpoint falls inside a rollout
+        dict(staleness=3, method="clip", old_logprobs="sampler"),  # bypass: pi_old from the sampler
         dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip"),  # lagged async
         # the adaptive KL coefficient is in the checkpoint (a short horizon: it moves every step)
         dict(staleness=2, method="clip", kl_coef=0.5, kl_target=1e-4, kl_horizon=8.0),
+        # dynamic sampling: extra passes draw problems (the sampler's state is in the checkpoint)
+        # and sample with keys of (rollout, pass, group); a 0/1 reward on groups of 2 drops many
+        dict(staleness=3, method="clip", filter_groups=True, **DAPO),
+        dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip", filter_groups=True, **DAPO),
     ],
-    ids=["sync", "lagged-async", "adaptive-kl"],
+    ids=["sync", "sync-sampler-old-logprobs", "lagged-async", "adaptive-kl", "sync-dapo", "lagged-async-dapo"],
 )
 def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_path, schedule):
     train(micro_config(micro_model_dir, tmp_path / "straight", max_steps=6, **schedule))
@@ -154,6 +162,12 @@ def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_pat
         coefs = [m["kl_coef"] for m in read_metrics(tmp_path / "straight")]
         assert [m["kl_coef"] for m in read_metrics(tmp_path / "resumed")] == coefs
         assert len(set(coefs)) == len(coefs)  # moved every step: a resume without it would differ
+    if schedule.get("filter_groups"):  # the passes after the resume are those of the straight run
+        keys = ("filter/draws", "filter/groups_dropped")
+        assert [[m.get(k) for k in keys] for m in read_metrics(tmp_path / "resumed")] == [
+            [m.get(k) for k in keys] for m in read_metrics(tmp_path / "straight")
+        ]
+        assert sum(m.get("filter/groups_dropped", 0) for m in read_metrics(tmp_path / "straight")) > 0
 
 
 def test_concurrent_async_worker_resumes_from_the_learner_weights(micro_model_dir, tmp_path):

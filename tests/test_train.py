@@ -65,6 +65,12 @@ def digit_reward(completion: str, answer: str) -> float:
     return sum(character.isdigit() for character in completion) / 3
 
 
+def coarse_reward(completion: str, answer: str) -> float:
+    """1 when the completion starts with a digit, else 0: about half the random micro model's
+    completions do, so a group of 2 often has equal rewards (what --filter-groups drops)."""
+    return float(completion[:1].isdigit())
+
+
 def micro_config(model_dir: str, output_dir: Path, **overrides) -> TrainConfig:
     values = dict(
         model=model_dir,
@@ -167,6 +173,59 @@ def test_kl_mismatch_reads_the_samplers_numbers_against_the_learners(micro_model
     # float32 paths, δ within MICRO_LOGPROB (6e-5): k3 < MICRO_LOGPROB² ≈ 3.6e-9; bf16 gives δ ~ 1e-3
     assert all(0.0 <= kl < MICRO_LOGPROB**2 for kl in fp32_kl), fp32_kl
     assert all(kl > 100 * max(max(fp32_kl), 1e-10) for kl in bf16_kl), (fp32_kl, bf16_kl)
+
+
+def test_old_logprobs_sampler_skips_the_behaviour_forward_and_trains_against_the_samplers_numbers(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    """--old-logprobs sampler (bypass mode) at N = 4: no behaviour forward runs, every mini-batch's
+    pi_old is the log-probs the sampler recorded, and kl_mismatch (0 by construction) is absent."""
+
+    def no_behaviour_forward(*args, **kwargs):
+        raise AssertionError("the behaviour forward ran under --old-logprobs sampler")
+
+    olds = []
+    real_update = Learner.update
+
+    def spy(learner, minibatch):
+        olds.append((minibatch.old_logprobs, minibatch.batch.rollout_logprobs))
+        return real_update(learner, minibatch)
+
+    monkeypatch.setattr(staleness_module, "behaviour_logprobs", no_behaviour_forward)
+    monkeypatch.setattr(Learner, "update", spy)
+    config = micro_config(
+        micro_model_dir, tmp_path / "run", staleness=4, max_steps=8, method="clip", old_logprobs="sampler"
+    )
+    train(config)
+    assert len(olds) == 8
+    for old, sampler in olds:
+        assert old is not None and torch.equal(old, sampler)
+    metrics = read_metrics(tmp_path / "run")
+    assert all("kl_mismatch" not in m and "kl_behaviour" in m for m in metrics)
+    assert [m["rollout/minibatch"] for m in metrics] == [0, 1, 2, 3] * 2
+    assert TrainConfig.from_yaml(tmp_path / "run" / "config.yaml").old_logprobs == "sampler"
+
+
+def test_old_logprobs_sampler_at_n_one_puts_the_mismatch_into_the_ratio(micro_model_dir, tmp_path):
+    """N = 1 with a bf16 sampler: recompute trains at ratio exactly 1 (pi_old is the learner's own
+    numbers) and logs kl_mismatch; sampler makes pi_old the bf16 numbers, so the ratio pi_theta/mu
+    moves off 1 by the mismatch, as verl's bypass mode with ppo_clip."""
+    config = micro_config(
+        micro_model_dir, tmp_path / "recompute", mismatch="bf16", method="clip", max_steps=2
+    )
+    train(config)
+    for m in read_metrics(tmp_path / "recompute"):
+        assert m["loss/ratio/min"] == 1.0 and m["loss/ratio/max"] == 1.0 and m["kl_mismatch"] > 0
+    train(config.replace(old_logprobs="sampler", output_dir=str(tmp_path / "sampler")))
+    for m in read_metrics(tmp_path / "sampler"):
+        assert m["loss/ratio/max"] - m["loss/ratio/min"] > 1e-4 and "kl_mismatch" not in m
+        assert m["kl_behaviour"] > 0  # the k3 of the bf16 sampler against the fp32 learner
+
+
+def test_old_logprobs_resolves_per_mode_and_is_recorded():
+    assert TrainConfig().resolved().old_logprobs == "recompute"
+    assert TrainConfig(mode="async").resolved().old_logprobs == "sampler"
+    assert TrainConfig(old_logprobs="sampler").resolved().old_logprobs == "sampler"
 
 
 # ---------------------------------------------------------------------- 2. asynchronous lag

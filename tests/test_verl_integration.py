@@ -516,3 +516,19 @@ def test_errors_inside_the_loss_name_the_arguments_verl_passed():
     assert st_verl.in_verl_terms("logprobs and old_logprobs, mask (unmasked)") == (
         "log_prob and old_log_prob, response_mask (unmasked)"
     )
+def test_verl_bypass_mode_takes_the_sampler_logprobs_as_old_and_replaces_a_softtrust_loss_mode():
+    """What docs/verl.md and docs/training.md say of verl's bypass mode (softtrust's
+    ``--old-logprobs sampler``), checked against verl 0.9.1 itself: ``apply_bypass_mode`` makes
+    ``old_log_probs`` the rollout's log-probs and rewrites ``loss_mode`` to its own ``bypass_mode``
+    loss, so a ``softtrust.*`` mode does not run under ``rollout_correction.bypass_mode=true``."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    sampler = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    batch = DataProto.from_dict(tensors={"rollout_log_probs": sampler})
+    policy_loss = OmegaConf.create({"loss_mode": st_verl.loss_mode("vespo")})
+    apply_bypass_mode(batch, RolloutCorrectionConfig.bypass_ppo_clip(), policy_loss)
+    assert torch.equal(batch.batch["old_log_probs"], sampler)
+    assert policy_loss.loss_mode == "bypass_mode"

@@ -30,6 +30,8 @@ MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce++", "passk")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGPROBS = ("recompute", "sampler")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
 # docs/main_job.md: seeds 0-4 under the default, avx2 and avx512 kernels reach it after 260-750
@@ -208,6 +210,14 @@ class TrainConfig:
             "no concurrency."
         },
     )
+    old_logprobs: str | None = _field(
+        None,
+        "Where pi_old comes from. recompute: the learner's own no-grad forward of each rollout before "
+        "any update (N = 1: the update's own detached log-probs). sampler: the log-probs the sampler "
+        "recorded, no behaviour forward (verl's bypass mode); the ratio then carries the "
+        "train/inference mismatch and kl_mismatch is not logged. Default: recompute in sync mode; "
+        "async mode always takes the sampler's.",
+    )
     mismatch: str = _field(
         "none",
         "Train/inference mismatch: score rollouts with other numerics (bf16 | fp16 autocast) than the fp32 learner.",
@@ -254,6 +264,34 @@ class TrainConfig:
         low=0,
         low_open=True,
         high=1,
+    )
+    # --- DAPO's rollout rules (dapo.py)
+    filter_groups: bool = _field(
+        False,
+        "Dynamic sampling (DAPO; verl's filter_groups): drop every group whose G rewards are all "
+        "equal (zero advantage) and sample more groups until the rollout is full, in sync and async "
+        "mode; the rewards compared are those the advantages use (--overlong-penalty included).",
+    )
+    filter_groups_max_draws: int = _field(
+        10,
+        "--filter-groups: the most generation passes per rollout, the first included; when they "
+        "leave too few groups, the rollout is filled up with dropped groups (zero advantage) and the "
+        "trainer warns once.",
+        low=1,
+    )
+    mask_truncated: bool = _field(
+        False,
+        "Completions cut at --max-new-tokens (no end token) add no loss: their completion mask is "
+        "zeroed, while their rewards still count in their group (TRL's mask_truncated_completions).",
+    )
+    overlong_penalty: list[float] = field(
+        default_factory=list,
+        metadata={
+            "help": "DAPO's soft overlong punishment 'L_cache,penalty': a completion of L sampled tokens "
+            "(end token included) gets -penalty * (L - (L_max - L_cache)) / L_cache added to its reward "
+            "when L > L_max - L_cache, L_max = --max-new-tokens (-penalty at the limit; verl's "
+            "overlong_buffer len and penalty_factor). Empty: off."
+        },
     )
     # --- optimisation
     lr: float = _field(3e-4, "AdamW learning rate.", low=0, low_open=True)
@@ -352,12 +390,13 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """A copy with the defaults that depend on other fields filled in (``effective_sft_steps``,
-        ``effective_max_new_tokens``): what a run trains with and records in ``config.yaml``, so
+        ``effective_max_new_tokens``, ``effective_old_logprobs``): what a run trains with and records in ``config.yaml``, so
         a rerun or a resume from it uses the same values whatever the defaults become."""
         return self.replace(
             sft_steps=self.effective_sft_steps,
             max_new_tokens=self.effective_max_new_tokens,
             advantage_scale=self.effective_advantage_scale,
+            old_logprobs=self.effective_old_logprobs,
         )
 
     # ------------------------------------------------------------------ checks
@@ -393,6 +432,8 @@ class TrainConfig:
         )
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
+        self._check_old_logprobs(need)
+        self._check_overlong_penalty()
         need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
@@ -458,6 +499,51 @@ class TrainConfig:
         if self.advantage_scale is not None:
             return self.advantage_scale
         return {"group": "group", "rloo": "none"}.get(self.advantages)
+    def _check_old_logprobs(self, need) -> None:
+        """``--old-logprobs``: a known source; async mode's pi_old is the sampler's; a correction that
+        compares pi_old with the sampler's log-probs has nothing to weigh when they are the same."""
+        need(
+            self.old_logprobs is None or self.old_logprobs in OLD_LOGPROBS,
+            "old_logprobs",
+            f"choose one of {OLD_LOGPROBS}",
+        )
+        need(
+            not (self.mode == "async" and self.old_logprobs == "recompute"),
+            "old_logprobs",
+            "async mode takes pi_old from the sampler (the worker's own log-probs); for an anchor "
+            "recomputed by the learner use --proximal recompute",
+        )
+        compared = {part.partition(":")[0].strip() for part in (self.correction or "").split("+")}
+        bypass = self.mode == "sync" and self.old_logprobs == "sampler"
+        need(
+            not (bypass and compared & {"tis", "mis", "reject"}),
+            "old_logprobs",
+            "with --old-logprobs sampler pi_old is the sampler's log-probs, so --correction tis, mis or "
+            "reject would weigh pi_old/mu = 1 (no effect); the ratio pi_theta/mu already carries the "
+            "mismatch (verl's bypass mode with ppo_clip): drop them (opsm still applies)",
+        )
+
+    def _check_overlong_penalty(self) -> None:
+        """``--overlong-penalty L_cache,penalty``: two numbers, ``L_cache`` a whole number of tokens
+        in ``[1, --max-new-tokens]`` (verl asserts both bounds), ``penalty > 0``."""
+        if not self.overlong_penalty:
+            return
+        limit = self.effective_max_new_tokens
+        values = self.overlong_penalty
+        cache_ok = len(values) == 2 and float(values[0]).is_integer() and 1 <= values[0] <= limit
+        if not (cache_ok and values[1] > 0):
+            raise ValueError(
+                f"overlong_penalty: expected L_cache,penalty with L_cache a whole number of tokens in "
+                f"[1, --max-new-tokens = {limit}] and penalty > 0 (got {values!r})"
+            )
+
+    @property
+    def effective_old_logprobs(self) -> str:
+        """``old_logprobs`` when given; else ``recompute`` in sync mode and ``sampler`` in async
+        mode (whose pi_old is the worker's log-probs). Read this, never the field."""
+        if self.old_logprobs is not None:
+            return self.old_logprobs
+        return "sampler" if self.mode == "async" else "recompute"
 
     @property
     def uses_embedded_model(self) -> bool:

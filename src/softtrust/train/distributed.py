@@ -67,16 +67,17 @@ class World:
         return self.rank == 0
 
     # ------------------------------------------------------------------ data layout
-    def local_groups(self, num_groups: int, groups_per_step: int) -> list[int]:
-        """The global group indices this rank owns in a rollout of ``num_groups`` groups.
+    def local_groups(self, num_groups: int, groups_per_step: int, rank: int | None = None) -> list[int]:
+        """The global group indices this rank (or ``rank``) owns in a rollout of ``num_groups`` groups.
 
         Mini-batch ``k`` holds groups ``[k m, (k + 1) m)`` (``m = groups_per_step``); this
         rank takes ``m / P`` consecutive ones of each, so its local mini-batch ``k`` is
         rows ``[k m/P G, (k + 1) m/P G)`` of its local rollout.
         """
         share = groups_per_step // self.size
+        rank = self.rank if rank is None else rank
         return [
-            start + self.rank * share + offset
+            start + rank * share + offset
             for start in range(0, num_groups, groups_per_step)
             for offset in range(share)
         ]

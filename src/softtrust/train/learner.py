@@ -169,8 +169,11 @@ class Learner:
         sum to its loss; empty for one piece in one process (the loss counts them itself)."""
         if not (self.world.distributed or pieces > 1):
             return {}
+        tokens = self.world.sum(batch.mask.sum())
         return {
-            "num_tokens": self.world.sum(batch.mask.sum()),
+            # no active token anywhere (--mask-truncated cut every row): every piece's loss is 0 over
+            # any normaliser, and the loss refuses a count of 0
+            "num_tokens": tokens if tokens > 0 else 1.0,
             "num_sequences": self.world.sum(batch.mask.shape[0]),
         }
 
@@ -233,8 +236,8 @@ class Learner:
 
     def update_metrics(self, batch: UpdateBatch, results: list) -> dict:
         """The loss metrics of the whole mini-batch (micro-batches combined, ranks reduced), the loss,
-        the KL of the behaviour policy to the current one and, in sync mode, the train/inference
-        mismatch (the sampler's numbers against the trainer's for the same policy)."""
+        the KL of the behaviour policy to the current one and, when the learner recomputes pi_old,
+        the train/inference mismatch (the sampler's numbers against the trainer's for the same policy)."""
         world = self.world
         pieces = [(out.metric_values(), tokens) for _, out, tokens in results]
         metrics = {f"loss/{name}": value for name, value in combine_metrics(pieces).items()}
@@ -244,7 +247,9 @@ class Learner:
         rows = logprobs.shape[0]
         old = logprobs if batch.old_logprobs is None else batch.old_logprobs[:rows]
         metrics["kl_behaviour"] = behaviour_kl(logprobs, old, batch.mask[:rows], world)
-        if self.config.mode == "sync":  # async trains on the sampler's own numbers: nothing to compare
+        # pi_old taken from the sampler (async, --old-logprobs sampler): nothing to compare, so
+        # kl_mismatch is absent (it would read 0, which says nothing about the mismatch)
+        if self.config.effective_old_logprobs == "recompute":
             sampler = batch.sampler_logprobs[:rows].to(old.device)
             metrics["kl_mismatch"] = behaviour_kl(old, sampler, batch.mask[:rows], world)
         if self.config.proximal != "none":

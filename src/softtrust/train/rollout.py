@@ -36,11 +36,15 @@ class RolloutBatch:
     Attributes:
         input_ids: ``[B, P + T]`` left-padded prompt, then the completion (pad after EOS).
         attention_mask: ``[B, P + T]`` 1 on real prompt tokens and completion tokens.
-        completion_mask: ``[B, T]`` 1 on completion tokens up to and including the first EOS.
+        completion_mask: ``[B, T]`` 1 on completion tokens up to and including the first EOS
+            (the tokens the loss reads; ``--mask-truncated`` zeroes a cut completion's row, while
+            ``attention_mask`` keeps its tokens).
         rollout_logprobs: ``[B, T]`` log-probs of the sampled tokens under the generating
             weights and numerics, recorded at generation time.
         rewards: ``[B]`` float.
         policy_version: the learner step whose weights generated the batch.
+        sampling: what dynamic sampling (``--filter-groups``, ``dapo.GroupFilter``) did to make
+            this rollout (passes, groups drawn, dropped, filled); empty otherwise and in a slice.
     """
 
     input_ids: torch.Tensor
@@ -50,6 +54,7 @@ class RolloutBatch:
     rewards: torch.Tensor
     policy_version: int = 0
     completions: list[str] = field(default_factory=list)
+    sampling: dict[str, int] = field(default_factory=dict)
 
     @property
     def completion_length(self) -> int:
@@ -405,16 +410,31 @@ class ProblemSampler:
         return problems
 
 
+def sampled_lengths(batch: RolloutBatch) -> torch.Tensor:
+    """``[B]`` tokens sampled per completion, its end token included: the attention mask over the
+    completion (the completion mask, unless ``--mask-truncated`` zeroed it)."""
+    return batch.attention_mask[:, -batch.completion_length :].sum(dim=1)  # [B]
+
+
+def truncated_rows(batch: RolloutBatch, end_ids: Sequence[int], max_new_tokens: int) -> torch.Tensor:
+    """``[B]`` bool: the completions cut at ``max_new_tokens``, as long as the limit without an end
+    token (``end_token_ids``) among their sampled tokens. The sampler stops a row only at an end
+    token, so these are the rows it stopped at the limit."""
+    if batch.completion_length < max_new_tokens:  # every completion ended before the limit
+        return torch.zeros(batch.input_ids.shape[0], dtype=torch.bool)
+    sampled = batch.attention_mask[:, -batch.completion_length :].bool()  # [B, T]
+    ids = batch.input_ids[:, -batch.completion_length :]  # [B, T]
+    ended = (torch.isin(ids, torch.tensor(list(end_ids), dtype=ids.dtype)) & sampled).any(dim=1)  # [B]
+    return (sampled_lengths(batch) == max_new_tokens) & ~ended
+
+
 def cut_fraction(batch: RolloutBatch, end_ids: Sequence[int], max_new_tokens: int) -> float:
-    """The share of ``batch``'s completions cut at ``max_new_tokens``: as long as the limit and
-    not ending with an end token (``end_token_ids``). A cut completion rarely holds a whole
-    answer, so it usually scores 0: when most are cut, reward and gradient vanish."""
-    if batch.completion_length < max_new_tokens or batch.input_ids.shape[0] == 0:
-        return 0.0  # every completion ended before the limit
-    full = batch.completion_mask.sum(dim=1) == max_new_tokens  # [B]
-    last = batch.input_ids[:, -1]  # [B] the last completion token (padding in a row that ended earlier)
-    cut = full & ~torch.isin(last, torch.tensor(list(end_ids), dtype=last.dtype))  # [B]
-    return float(cut.float().mean())
+    """The share of ``batch``'s completions cut at ``max_new_tokens`` (``truncated_rows``). A cut
+    completion rarely holds a whole answer, so it usually scores 0: when most are cut, reward and
+    gradient vanish."""
+    if batch.input_ids.shape[0] == 0:
+        return 0.0
+    return float(truncated_rows(batch, end_ids, max_new_tokens).float().mean())
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:

@@ -229,7 +229,11 @@ def behaviour_logprobs(
 
 
 class SyncRollouts:
-    """Synchronous staleness N: one rollout, behaviour log-probs once, N disjoint mini-batches."""
+    """Synchronous staleness N: one rollout, behaviour log-probs once, N disjoint mini-batches.
+
+    ``old_logprobs="sampler"`` (bypass mode: verl, SkyRL, slime, prime-rl) skips the behaviour
+    forward: pi_old is the log-probs the sampler recorded (``RolloutBatch.rollout_logprobs``).
+    """
 
     kind = "sync"
 
@@ -244,9 +248,11 @@ class SyncRollouts:
         keep_rollout_logprobs: bool,
         world=None,
         micro_batch_size: int | None = None,
+        old_logprobs: str = "recompute",
     ):
         self.generate = generate
         self.staleness = staleness
+        self.old_logprobs = old_logprobs  # recompute (the behaviour forward) | sampler (bypass)
         self.micro_batch_size = micro_batch_size  # the learner's pieces, for the behaviour forward
         self.prompts_per_step = prompts_per_step  # m, global
         self.world = world  # distributed.World, or None for one process
@@ -271,8 +277,11 @@ class SyncRollouts:
         # Computed per mini-batch with the learner's code and shapes, before any update. With
         # N = 1 they would be bit-identical to the learner's own forward (ratio = 1): that
         # forward is skipped, and the learner uses its own detached log-probs (``None`` here).
+        # --old-logprobs sampler (bypass mode): pi_old is what the sampler recorded, no forward.
         old = None
-        if self.staleness > 1:
+        if self.old_logprobs == "sampler":
+            old = batch.rollout_logprobs
+        elif self.staleness > 1:
             old = torch.cat(
                 [
                     behaviour_logprobs(

@@ -24,6 +24,7 @@ import softtrust as st
 from .advantage_config import advantages_of
 from .checkpoint import find_checkpoint, restore_state, run_directory_of, save_state
 from .config import DTYPES, TrainConfig, resolve_device
+from .dapo import GroupFilter, check_group_filter, shape_rollout
 from .distributed import (
     World,
     close_world,
@@ -45,10 +46,19 @@ from .rollout import (
     generate_rollout,
     greedy_accuracy,
     group_uniforms,
+    sampled_lengths,
 )
 from .runlog import RunLog
 from .scoring import Scoring
-from .staleness import AsyncRollouts, LaggedRollouts, MiniBatch, RolloutSource, SyncRollouts
+from .staleness import (
+    AsyncRollouts,
+    GenerateFn,
+    LaggedRollouts,
+    MiniBatch,
+    Rollout,
+    RolloutSource,
+    SyncRollouts,
+)
 from .state import TrainState
 from .tasks import build_task, check_training_pool, held_out_problems
 from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
@@ -149,6 +159,7 @@ def train_step(session: Session, config: TrainConfig, progress) -> None:
     metrics["seconds/collect"] = collect_seconds
     metrics["seconds/update"] = metrics["seconds"] - collect_seconds
     metrics["seconds/sample"] = 0.0 if rollout is None else rollout.seconds
+    metrics.update(dynamic_sampling_metrics(session.run, rollout, state.step))
     log_evaluate_checkpoint(session, config, minibatch, metrics, progress)
 
 
@@ -181,6 +192,7 @@ def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session
     the rollout source and the state: restored from the latest checkpoint on resume, else
     evaluated once before RL."""
     world.check_divides(config.prompts_per_step)
+    check_group_filter(config, world)
     task = build_config_task(config)
     eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
     check_training_pool(task, eval_problems)
@@ -238,6 +250,27 @@ def warn_if_cut(run: RunLog, batch: RolloutBatch, tokenizer, config: TrainConfig
         )
 
 
+FILTER_WARNING_KEY = "filter groups cap"
+
+
+def dynamic_sampling_metrics(run: RunLog, rollout: Rollout | None, step: int) -> dict:
+    """``filter/*``: what ``--filter-groups`` did for a rollout that arrived at this step (absent
+    otherwise): generation passes, groups drawn, dropped (all rewards equal) and filled (dropped
+    groups trained on because ``--filter-groups-max-draws`` passes left too few), with a warning
+    the first time a rollout is filled."""
+    counts = {} if rollout is None else rollout.batch.sampling
+    if counts.get("groups_filled"):
+        run.warn(
+            f"--filter-groups: {counts['draws']} generation passes (--filter-groups-max-draws) left "
+            f"{counts['groups_filled']} of the rollout's groups with all rewards equal; it trains with "
+            "them (zero advantage, as without filtering): raise --filter-groups-max-draws, or the task "
+            "is too easy or too hard for the policy",
+            step,
+            once=FILTER_WARNING_KEY,
+        )
+    return {f"filter/{name}": value for name, value in counts.items()}
+
+
 def rollout_advantages(
     rewards: torch.Tensor,
     config: TrainConfig,
@@ -272,7 +305,9 @@ def step_metrics(
     """One ``metrics.jsonl`` line (rewards, advantages and tokens of the whole mini-batch)."""
     world = world or World()
     batch = minibatch.batch
-    tokens = int(world.sum(batch.completion_mask.sum()))
+    lengths = sampled_lengths(batch)  # [b] tokens sampled (the trained ones unless --mask-truncated)
+    tokens = int(world.sum(lengths.sum()))
+    masked = world.sum(((batch.completion_mask.sum(dim=1) == 0) & (lengths > 0)).sum())
     state.completion_tokens += tokens
     rewards = torch.cat(world.gather_objects(batch.rewards))  # [m x G], every rank's rows
     advantages = torch.cat(world.gather_objects(minibatch.advantages.cpu()))
@@ -283,6 +318,7 @@ def step_metrics(
         "reward/exact": float((rewards >= 1).float().mean()),
         "advantage/abs_mean": float(advantages.abs().mean()),
         "completion/length": tokens / max(rewards.shape[0], 1),
+        "completion/masked": masked / max(rewards.shape[0], 1),  # --mask-truncated: no loss
         "lag": minibatch.lag,
         "policy_version": batch.policy_version,
         "rollout/index": minibatch.rollout_index,
@@ -466,6 +502,50 @@ def warm_start_policy(
         )
 
 
+def rollout_generator(
+    config: TrainConfig, tokenizer, sampler, scorer, world: World, dtype: torch.dtype | None = None
+) -> GenerateFn:
+    """``generate(policy, num_prompts, version, rollout_index)``: this rank's rows of a new rollout.
+
+    A generation pass draws ``num_prompts`` problems (the same on every rank), samples this rank's
+    groups (``World.local_groups``) with keys (seed, rollout, pass x num_prompts + global group),
+    scores them and applies DAPO's length rules (``dapo.shape_rollout``). One pass makes the
+    rollout; with ``--filter-groups``, ``dapo.GroupFilter`` runs passes until it is full (pass 0's
+    keys are those of an unfiltered run).
+    """
+    end_ids = end_token_ids(tokenizer)
+    groups_per_step, limit = config.prompts_per_step, config.effective_max_new_tokens
+    group_filter = None
+    if config.filter_groups:
+        group_filter = GroupFilter(config.filter_groups_max_draws, config.group_size, groups_per_step, world)
+
+    def generate(policy, num_prompts: int, version: int, rollout_index: int) -> RolloutBatch:
+        def draw(index: int) -> RolloutBatch:
+            problems = sampler.draw(num_prompts)  # the whole rollout's prompts, the same on every rank
+            groups = world.local_groups(num_prompts, groups_per_step)  # this rank's share
+            keys = [index * num_prompts + group for group in groups]  # pass 0: the groups themselves
+            batch = generate_rollout(
+                policy,
+                tokenizer,
+                [problems[group] for group in groups],
+                scorer,
+                group_size=config.group_size,
+                max_new_tokens=limit,
+                temperature=config.temperature,
+                policy_version=version,
+                dtype=dtype,
+                uniforms=group_uniforms(config.seed, rollout_index, keys, config.group_size, limit),
+                all_finished=world.all_true if world.fsdp else None,
+                top_k=config.top_k,
+                top_p=config.top_p,
+            )
+            return shape_rollout(batch, config, end_ids)
+
+        return draw(0) if group_filter is None else group_filter.fill(draw, num_prompts)
+
+    return generate
+
+
 def build_rollout_source(
     config: TrainConfig, model, tokenizer, sampler, scorer, world: World | None = None
 ) -> RolloutSource:
@@ -477,28 +557,7 @@ def build_rollout_source(
     """
     world = world or World()
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mismatch]
-
-    def generate(policy, num_prompts: int, version: int, rollout_index: int):
-        problems = sampler.draw(num_prompts)  # the whole rollout's prompts, the same on every rank
-        groups = world.local_groups(num_prompts, config.prompts_per_step)  # this rank's share
-        return generate_rollout(
-            policy,
-            tokenizer,
-            [problems[group] for group in groups],
-            scorer,
-            group_size=config.group_size,
-            max_new_tokens=config.effective_max_new_tokens,
-            temperature=config.temperature,
-            policy_version=version,
-            dtype=dtype,
-            uniforms=group_uniforms(
-                config.seed, rollout_index, groups, config.group_size, config.effective_max_new_tokens
-            ),
-            all_finished=world.all_true if world.fsdp else None,
-            top_k=config.top_k,
-            top_p=config.top_p,
-        )
-
+    generate = rollout_generator(config, tokenizer, sampler, scorer, world, dtype)
     if config.mode == "sync":
         return SyncRollouts(
             generate,
@@ -509,6 +568,7 @@ def build_rollout_source(
             keep_rollout_logprobs=dtype is not None or config.correction is not None,
             world=world,
             micro_batch_size=config.micro_batch_size,
+            old_logprobs=config.effective_old_logprobs,
         )
     if config.lag_schedule:
         return LaggedRollouts(
