@@ -329,7 +329,13 @@ class SoftTrustAsyncGRPOTrainer(AsyncGRPOTrainer):
             loader.collate_fn = _StalenessCollator(loader.collate_fn, self)
         return dataloader
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None) -> torch.Tensor:
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor:
         """Packed forward -> each sample's terms on one row, stale samples masked -> ``self.policy_loss``."""
         row = unpack_row(inputs)
         started = time.perf_counter()
