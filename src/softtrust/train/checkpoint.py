@@ -165,6 +165,7 @@ def save_state(directory: Path, state: TrainState, config_yaml: str, keep: int) 
         "rng": {"torch": torch.get_rng_state(), "problems": state.sampler.rng.getstate()},
         "rollouts": state.rollouts.state(),
         "counters": state.counters(),
+        "learner": learner.state(),
         "config": config_yaml,
     }
     model_state = learner.model_state()
@@ -195,4 +196,5 @@ def restore_state(checkpoint: Path, state: TrainState) -> None:
     state.sampler.rng.setstate((version, tuple(internal), gauss))
     state.rollouts.load_state(payload["rollouts"])
     state.load_counters(payload["counters"])
+    learner.load_state(payload.get("learner", {}))
     state.step = int(payload["step"])
