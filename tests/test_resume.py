@@ -150,8 +150,21 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
         # and sample with keys of (rollout, pass, group); a 0/1 reward on groups of 2 drops many
         dict(staleness=3, method="clip", filter_groups=True, **DAPO),
         dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip", filter_groups=True, **DAPO),
+        # the held pi_prox snapshot (taken before update 1, checkpoint after update 3) is restored, not
+        # retaken from the resumed weights (update 4's advantages are all 0 here, update 5's are not)
+        dict(
+            mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip", proximal="held", proximal_every=5
+        ),
     ],
-    ids=["sync", "sync-sampler-old-logprobs", "lagged-async", "adaptive-kl", "sync-dapo", "lagged-async-dapo"],
+    ids=[
+        "sync",
+        "sync-sampler-old-logprobs",
+        "lagged-async",
+        "adaptive-kl",
+        "sync-dapo",
+        "lagged-async-dapo",
+        "held-proximal",
+    ],
 )
 def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_path, schedule):
     train(micro_config(micro_model_dir, tmp_path / "straight", max_steps=6, **schedule))

@@ -468,6 +468,52 @@ def test_recomputed_proximal_policy_is_scored_like_the_policy_under_truncation(
         assert float(((logprobs - mu) * mask).abs().max()) > 0  # while mu (the lagged sampler) differs
 
 
+def test_held_proximal_policy_is_a_forward_of_the_snapshot_refreshed_every_m_updates(
+    micro_model_dir, tmp_path, monkeypatch
+):
+    """--proximal held --proximal-every 2: at step s, pi_prox is the log-probs of the policy's weights
+    at step 2 floor(s / 2) (recomputed here from the weights recorded before each update), so the
+    clip's anchor stays put between refreshes: at odd steps it differs from the current policy."""
+    weights, batches, calls = [], [], []
+    real_update = Learner.update
+
+    def spy(learner, minibatch):
+        weights.append({k: v.detach().clone() for k, v in learner.model.state_dict().items()})
+        batches.append(minibatch.batch)
+        return real_update(learner, minibatch)
+
+    monkeypatch.setattr(Learner, "update", spy)
+    recording_loss(monkeypatch, calls)
+    lags = dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip", max_steps=5)
+    train(micro_config(micro_model_dir, tmp_path / "run", proximal="held", proximal_every=2, **lags))
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["proximal/age"] for m in metrics] == [0, 1, 0, 1, 0]
+    from transformers import AutoModelForCausalLM
+
+    snapshot = AutoModelForCausalLM.from_pretrained(micro_model_dir, local_files_only=True).eval()
+    assert len(calls) == 5
+    apart = 0
+    for step, (logprobs, old, _, mask, _, _) in enumerate(calls):
+        snapshot.load_state_dict(weights[step - step % 2])
+        minibatch = batches[step]
+        with torch.no_grad():
+            expected = completion_logprobs_of(
+                snapshot, minibatch.input_ids, minibatch.attention_mask, minibatch.completion_length
+            ).logprobs
+        torch.testing.assert_close(old * mask, expected * mask, rtol=0, atol=0)
+        apart += step % 2 == 1 and float(((old - logprobs) * mask).abs().max()) > 1e-4
+    assert apart == 2  # between refreshes pi_prox is not the current policy
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [({"proximal": "held"}, "proximal"), ({"proximal": "recompute", "proximal_every": 2}, "proximal_every")],
+)
+def test_proximal_every_goes_with_held_only(values, field):
+    with pytest.raises(ValueError, match=f"^{field}: --proximal held needs --proximal-every"):
+        TrainConfig(mode="async", **values).validate()
+
+
 # ---------------------------------------------------------------------- 3. resume and killed saves
 def test_resume_mid_rollout_equals_straight_run(micro_model_dir, tmp_path):
     # N = 3 and k = 4: the checkpoint falls inside a rollout, so pending mini-batches must be saved.

@@ -185,6 +185,7 @@ def save_state(directory: Path, state: TrainState, config_yaml: str, keep: int) 
         "rng": {"torch": torch.get_rng_state(), "problems": state.sampler.rng.getstate()},
         "rollouts": state.rollouts.state(),
         "counters": state.counters(),
+        "learner": learner.state(),
         "config": config_yaml,
     }
     if learner.kl_controller is not None:  # --kl-target: the coefficient it has moved to
@@ -219,4 +220,5 @@ def restore_state(checkpoint: Path, state: TrainState) -> None:
     state.load_counters(payload["counters"])
     if learner.kl_controller is not None and "kl_controller" in payload:
         learner.kl_controller.load_state_dict(payload["kl_controller"])
+    learner.load_state(payload.get("learner", {}))
     state.step = int(payload["step"])

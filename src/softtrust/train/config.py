@@ -25,12 +25,11 @@ from softtrust.ratios import LEVELS
 from .values import check_field_value, coerce, load_yaml_mapping
 
 MODES = ("sync", "async")
-PROXIMAL = ("none", "recompute", "loglinear")
+PROXIMAL = ("none", "recompute", "loglinear", "held")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce++", "passk")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOGPROBS = ("recompute", "sampler")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
@@ -201,7 +200,15 @@ class TrainConfig:
         "pi_prox, the policy before this update, from a no-grad forward, and an uncapped IS weight "
         "pi_prox / behaviour (or the IS correction given in --correction). loglinear: the same, with "
         "log pi_prox = log mu + alpha (log pi_theta - log mu), alpha from policy versions (= 1 here: "
-        "exact, no extra forward).",
+        "exact, no extra forward). held: pi_prox is a snapshot of the policy refreshed every "
+        "--proximal-every updates (saved in checkpoints), so the clip bounds the movement since the "
+        "snapshot, not since the last update.",
+    )
+    proximal_every: int = _field(
+        0,
+        "--proximal held: refresh the pi_prox snapshot every this many updates (M >= 1; M = --max-lag "
+        "holds the anchor over K steps).",
+        low=0,
     )
     lag_schedule: list = field(
         default_factory=list,
@@ -424,6 +431,11 @@ class TrainConfig:
             self.proximal == "none" or METHODS[self.method].supports_proximal,
             "proximal",
             f"{METHODS[self.method].proximal_note}; use --proximal none",
+        )
+        need(
+            (self.proximal == "held") == (self.proximal_every > 0),
+            "proximal_every" if self.proximal != "held" else "proximal",
+            "--proximal held needs --proximal-every M >= 1, and --proximal-every is for --proximal held only",
         )
         need(
             self.proximal == "none" or not self.micro_batch_size,

@@ -12,6 +12,7 @@ with named helpers for the loss inputs (``loss_inputs``), a batch-wide method's 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ class Learner:
     config: TrainConfig
     reference: torch.nn.Module | None = None
     kl_controller: AdaptiveKLController | None = None
+    proximal_model: torch.nn.Module | None = None  # --proximal held: the pi_prox snapshot
+    proximal_step: int = -1  # the step whose weights the snapshot holds (-1: none yet)
 
     def update(self, minibatch: MiniBatch) -> dict:
         """One optimizer step on ``minibatch``; returns its metrics (``skipped`` = 1 when a
@@ -114,6 +117,8 @@ class Learner:
         """
         started = time.perf_counter()
         batch = UpdateBatch.of(minibatch, next(self.policy.parameters()).device)
+        if self.config.proximal == "held":
+            self.hold_proximal(batch.policy_version + batch.lag)
         pieces = row_pieces(batch.mask.shape[0], self.config.micro_batch_size)
         normalisers = self.normalisers(batch, len(pieces))
         if self.config.gradient_checkpointing:
@@ -201,13 +206,38 @@ class Learner:
         """``[b, T]`` log pi_prox for the decoupled objective (AReaL, arXiv 2505.24298).
 
         ``recompute``: a no-grad forward of the current policy (the weights before this update),
-        scored like the policy. ``loglinear``: ``mu + alpha (sg(log pi_theta) - mu)`` with alpha from
+        scored like the policy. ``held``: the same forward of the snapshot ``hold_proximal`` keeps. ``loglinear``: ``mu + alpha (sg(log pi_theta) - mu)`` with alpha from
         :func:`loglinear_alpha` (v_mu = step - lag, v_prox = v_theta = step), no forward; with one
         optimizer step per batch alpha = 1 and the value equals ``recompute``'s."""
-        if self.config.proximal == "recompute":
+        if self.config.proximal in ("recompute", "held"):
+            model = self.policy if self.config.proximal == "recompute" else self.proximal_model
             with torch.no_grad():
-                return self.logprobs(self.policy, batch, slice(None))
+                return self.logprobs(model, batch, slice(None))
         return behaviour + proximal_alpha(batch) * (logprobs.detach() - behaviour)
+
+    def hold_proximal(self, step: int) -> None:
+        """``--proximal held``: the snapshot pi_prox holds the weights of step ``M floor(step / M)``
+        (M = ``proximal_every``): refreshed from the policy at every multiple of M, kept in between
+        and across a resume (``state`` / ``load_state``)."""
+        anchor = step - step % self.config.proximal_every
+        if self.proximal_model is None:
+            self.proximal_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if self.proximal_step != anchor:
+            self.proximal_model.load_state_dict(self.model.state_dict())
+            self.proximal_step = anchor
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the learner besides weights and optimizer: the held pi_prox
+        snapshot and its step (empty without ``--proximal held``)."""
+        if self.proximal_model is None:
+            return {}
+        return {"proximal_step": self.proximal_step, "proximal": dict(self.proximal_model.state_dict())}
+
+    def load_state(self, state: dict) -> None:
+        if "proximal" in state:
+            self.proximal_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.proximal_model.load_state_dict(state["proximal"])
+            self.proximal_step = int(state["proximal_step"])
 
     def batch_state(
         self, batch: UpdateBatch, pieces: list[slice], logprobs: torch.Tensor, inputs: LossInputs
@@ -254,6 +284,8 @@ class Learner:
             metrics["kl_mismatch"] = behaviour_kl(old, sampler, batch.mask[:rows], world)
         if self.config.proximal != "none":
             metrics["proximal/alpha"] = proximal_alpha(batch)
+        if self.config.proximal == "held":  # updates since the snapshot was taken
+            metrics["proximal/age"] = batch.policy_version + batch.lag - self.proximal_step
         return metrics
 
     def adapt_kl(self, metrics: dict, batch: UpdateBatch) -> dict:
