@@ -516,6 +516,8 @@ def test_errors_inside_the_loss_name_the_arguments_verl_passed():
     assert st_verl.in_verl_terms("logprobs and old_logprobs, mask (unmasked)") == (
         "log_prob and old_log_prob, response_mask (unmasked)"
     )
+
+
 def test_verl_bypass_mode_takes_the_sampler_logprobs_as_old_and_replaces_a_softtrust_loss_mode():
     """What docs/verl.md and docs/training.md say of verl's bypass mode (softtrust's
     ``--old-logprobs sampler``), checked against verl 0.9.1 itself: ``apply_bypass_mode`` makes

@@ -511,6 +511,7 @@ class TrainConfig:
         if self.advantage_scale is not None:
             return self.advantage_scale
         return {"group": "group", "rloo": "none"}.get(self.advantages)
+
     def _check_old_logprobs(self, need) -> None:
         """``--old-logprobs``: a known source; async mode's pi_old is the sampler's; a correction that
         compares pi_old with the sampler's log-probs has nothing to weigh when they are the same."""
