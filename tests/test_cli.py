@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from softtrust.cli import build_parser, main
-from softtrust.train.config import TrainConfig, config_from_arguments
+from softtrust.train.config import TrainConfig, config_from_arguments, parse_key_values
 from softtrust.train.loss_config import build_method_loss
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
@@ -65,6 +65,22 @@ def test_yaml_config_then_flags_override_it(tmp_path):
         "eps_low": 0.2,
     }
     assert parse("--prompts-per-rollout", "12").prompts_per_step == 12
+
+
+def test_key_values_keep_commas_inside_brackets_and_a_bad_value_names_the_option():
+    """Guards list values in k=v options (``--task-config 'operators=[+, -],max_terms=3'``): a comma
+    inside brackets is part of the value; a value YAML cannot read is one line naming the option."""
+    assert parse_key_values("ops=[+, -],n=2,m={a: 1, b: 2}", "x") == {
+        "ops": ["+", "-"],
+        "n": 2,
+        "m": {"a": 1, "b": 2},
+    }
+    assert parse_key_values("k_pos=2,lambda_pos=3", "x") == {"k_pos": 2, "lambda_pos": 3}
+    with pytest.raises(
+        ValueError, match=r"task_config: cannot read the value of 'ops', '\[\+,-,\*\]'"
+    ) as error:
+        parse_key_values("ops=[+,-,*]", "task_config")
+    assert "\n" not in str(error.value)
 
 
 @pytest.fixture(scope="module")
