@@ -67,6 +67,7 @@ def run_train(arguments: argparse.Namespace) -> int:
     schedule = f"N={summary['staleness']}" if summary["mode"] == "sync" else f"async, K={summary['max_lag']}"
     print(
         f"held-out accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f} "
+        f"(mean score {summary['score_before']:.3f} -> {summary['score_after']:.3f}) "
         f"after {summary['steps']} steps of {summary['method']} ({schedule}) "
         f"in {summary['wall_seconds']:.0f} s; run directory: {summary['final_dir'].rsplit('/final', 1)[0]}"
     )

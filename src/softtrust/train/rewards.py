@@ -240,6 +240,11 @@ class RewardSet:
     def names(self) -> list[str]:
         return [reward.name for reward in self.rewards]
 
+    @property
+    def correctness_name(self) -> str:
+        """The name of the reward that decides correctness (and is the held-out score)."""
+        return self.rewards[self.correctness].name
+
     def single(self, completion: str, answer: str) -> float:
         """The correctness reward of one completion, for a per-sample reward (the ``Task`` protocol)."""
         reward = self.rewards[self.correctness]
@@ -291,7 +296,7 @@ class RewardScorer:
             sum(r.weight * parts[r.name][i] for r in self.rewards.rewards if parts[r.name][i] is not None)
             for i in range(len(problems))
         ]
-        deciding = parts[self.rewards.rewards[self.rewards.correctness].name]
+        deciding = parts[self.rewards.correctness_name]
         correct = [value is not None and value >= 1.0 for value in deciding]
         return torch.tensor(total, dtype=torch.float32), correct, parts
 

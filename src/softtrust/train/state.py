@@ -15,6 +15,7 @@ COUNTERS = (
     "reward_failures",
     "completion_tokens",
     "accuracy_before",
+    "score_before",
 )
 
 
@@ -33,6 +34,7 @@ class TrainState:
     reward_failures: int = 0
     completion_tokens: int = 0
     accuracy_before: float = math.nan
+    score_before: float = math.nan
 
     def counters(self) -> dict:
         """The running totals (plain numbers: a checkpoint stores them as they are)."""

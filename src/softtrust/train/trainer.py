@@ -34,6 +34,7 @@ from .distributed import (
 from .learner import Learner, build_optimizer, evaluate, policy_update
 from .loss_config import build_method_loss
 from .rollout import (
+    Evaluation,
     ProblemSampler,
     RewardScorer,
     generate_rollout,
@@ -104,8 +105,10 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         run.log_event({"resumed_from": str(checkpoint), "step": state.step})
         run.truncate_after(state.step)  # metrics logged after the checkpoint will be logged again
     else:
-        state.accuracy_before = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, 0)
-        run.log_event({"step": 0, "eval/accuracy": state.accuracy_before})
+        state.accuracy_before, state.score_before = evaluate_and_sample(
+            learner, tokenizer, task, eval_problems, config, run, 0
+        )
+        run.log_event({"step": 0, "eval/accuracy": state.accuracy_before, "eval/score": state.score_before})
     rollouts.start(state.step, model)
 
     progress = run.progress_bar(config, initial=state.step)
@@ -141,7 +144,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
                     state.step, "train", training_samples(tokenizer, minibatch, config.num_samples)
                 )
             if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
-                metrics["eval/accuracy"] = evaluate_and_sample(
+                metrics["eval/accuracy"], metrics["eval/score"] = evaluate_and_sample(
                     learner, tokenizer, task, eval_problems, config, run, state.step
                 )
             run.log_step(metrics, progress)
@@ -159,10 +162,10 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
         rollouts.close()
 
     save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-    accuracy_after = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, state.step)
-    run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
+    after = evaluate_and_sample(learner, tokenizer, task, eval_problems, config, run, state.step)
+    run.log_event({"step": state.step, "eval/accuracy": after.accuracy, "eval/score": after.score})
     final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
-    return run.finish(config, model, tokenizer, state, accuracy_after, time.time() - started, final_state)
+    return run.finish(config, model, tokenizer, state, after, time.time() - started, final_state)
 
 
 def rollout_advantages(
@@ -221,13 +224,13 @@ def step_metrics(
 
 def evaluate_and_sample(
     learner, tokenizer, task, problems, config: TrainConfig, run: RunLog, step: int
-) -> float:
-    """Held-out greedy accuracy (``learner.evaluate``); the first ``num_samples`` held-out
-    problems' prompts, completions and rewards go to ``samples.jsonl``."""
+) -> Evaluation:
+    """Held-out greedy accuracy and mean score (``learner.evaluate``); the first ``num_samples``
+    held-out problems' prompts, completions and rewards go to ``samples.jsonl``."""
     samples = [] if config.num_samples else None
-    accuracy = evaluate(learner, tokenizer, task, problems, config, samples=samples)
+    evaluation = evaluate(learner, tokenizer, task, problems, config, samples=samples)
     run.log_samples(step, "eval", samples or [])
-    return accuracy
+    return evaluation
 
 
 def training_samples(tokenizer, minibatch: MiniBatch, count: int) -> list[dict]:
