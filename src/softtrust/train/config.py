@@ -70,7 +70,17 @@ class TrainConfig:
 
     # --- task and model
     task: str = _field(
-        "addition", "Built-in task (addition, addition-1digit, scratchpad); ignored when --dataset is given."
+        "addition",
+        "Built-in task (addition, addition-1digit, scratchpad), or reasoning-gym:NAME, a reasoning-gym "
+        "generator scored by its own verifier (pip install -e '.[tasks]'); ignored when --dataset is given.",
+    )
+    task_config: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "Options of a reasoning-gym:NAME generator (its config's fields) as k=v pairs, e.g. "
+            "'min_terms=2,max_terms=3' (a YAML mapping in --config); size: the entries of its training and "
+            "of its held-out generator (default 10000)."
+        },
     )
     dataset: str | None = _field(
         None,
@@ -82,20 +92,25 @@ class TrainConfig:
         "answer", "--dataset's answer column (what the built-in rewards compare with)."
     )
     system_prompt: str | None = _field(
-        None, "A system message put first in every conversational prompt that has none."
+        None,
+        "A system message put first in every conversational prompt that has none (a reasoning-gym task's "
+        "chat prompts: instead of reasoning-gym's own).",
     )
-    reward: str = _field(
-        "exact",
-        "Reward(s) for --dataset, comma-separated: exact | numeric | math | module:function "
-        "(per sample (completion, answer, **columns) or TRL's batched (prompts, completions, "
-        "completion_ids, **columns) -> list of float or None).",
+    reward: str | None = _field(
+        None,
+        "Reward(s) for --dataset or a reasoning-gym task, comma-separated: exact | numeric | math | "
+        "task (a reasoning-gym generator's own score) | module:function (per sample (completion, answer, "
+        "**columns) or TRL's batched (prompts, completions, completion_ids, **columns) -> list of float "
+        "or None) (default: exact for --dataset, task for reasoning-gym:NAME).",
     )
     reward_weights: list[float] = field(
         default_factory=list,
         metadata={"help": "Weights of the --reward functions, e.g. '1,0.1' (default: 1 each)."},
     )
     correctness_reward: str | None = _field(
-        None, "The --reward whose value >= 1 counts as correct in held-out accuracy (default: the first)."
+        None,
+        "The --reward whose value >= 1 counts as correct in held-out accuracy (default: the first; "
+        "a reasoning-gym task's is always task).",
     )
     strict_reward: bool = _field(
         False, "Re-raise reward-function errors instead of scoring 0 and counting them."
@@ -362,6 +377,7 @@ class TrainConfig:
         need(self.dtype in DTYPES, "dtype", f"choose one of {tuple(DTYPES)}")
         if self.dataset is not None:
             need(Path(self.dataset).exists(), "dataset", "no such file or directory")
+        check_task(self)
         if self.model is not None:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
@@ -380,6 +396,30 @@ class TrainConfig:
         if self.sft_steps is not None:
             return self.sft_steps
         return 300 if self.uses_embedded_model else 0
+
+
+def check_task(config: TrainConfig) -> None:
+    """The task the config trains on exists, and ``task_config`` applies to it: a reasoning-gym
+    generator's name and options are checked here (``reasoning_gym_task.check_options``), before
+    any work. Raises ``ValueError`` naming ``task`` or ``task_config``."""
+    from .tasks import REASONING_GYM, TASKS
+
+    if config.dataset is None and config.task.startswith(REASONING_GYM):
+        from .reasoning_gym_task import check_options
+
+        check_options(config.task[len(REASONING_GYM) :], config.task_config)
+        return
+    if config.task_config:
+        used = "--dataset" if config.dataset is not None else f"task {config.task!r}"
+        raise ValueError(
+            f"task_config: options of a reasoning-gym generator, for --task {REASONING_GYM}NAME; this run "
+            f"uses {used} (got {config.task_config!r})"
+        )
+    if config.dataset is None and config.task not in TASKS:
+        raise ValueError(
+            f"task: unknown task {config.task!r}; expected a built-in task {sorted(TASKS)} or "
+            f"{REASONING_GYM}NAME (a reasoning-gym generator)"
+        )
 
 
 def check_causal_lm_directory(path: str) -> None:

@@ -8,7 +8,9 @@ A task is a small object with three jobs:
 
 Built-in tasks live in the ``TASKS`` registry (``--task NAME``); a JSONL file of
 ``{"prompt": ..., "answer": ...}`` lines becomes a ``DatasetTask`` (``--dataset``)
-scored by ``exact``, ``numeric`` or a user ``module:function`` reward.
+scored by ``exact``, ``numeric`` or a user ``module:function`` reward; ``--task
+reasoning-gym:NAME`` is a reasoning-gym generator scored by its own verifier
+(``reasoning_gym_task.ReasoningGymTask``).
 """
 
 from __future__ import annotations
@@ -181,20 +183,31 @@ TASKS = {
     "addition-1digit": SingleDigitAdditionTask,
     "scratchpad": ScratchpadAdditionTask,
 }
+REASONING_GYM = "reasoning-gym:"  # --task reasoning-gym:NAME names a reasoning-gym generator
 
 
-def build_task(task: str, dataset: str | None = None, reward: str = "exact", **options):
+def build_task(task: str, dataset: str | None = None, reward: str | None = "exact", **options):
     """The task a config names: a ``dataset`` if given (``options``: ``DatasetTask``'s keyword
-    arguments), else the built-in ``task``."""
+    arguments; ``reward`` default ``exact``), a reasoning-gym generator for ``reasoning-gym:NAME``
+    (``options``: ``ReasoningGymTask``'s; ``reward`` default ``task``), else the built-in ``task``."""
     if dataset is not None:
-        return DatasetTask(dataset, reward, **options)
+        return DatasetTask(dataset, reward or "exact", **options)
+    if task is not None and task.startswith(REASONING_GYM):
+        from .reasoning_gym_task import ReasoningGymTask
+
+        return ReasoningGymTask(task[len(REASONING_GYM) :], reward=reward, **options)
     if task not in TASKS:
-        raise ValueError(f"task: unknown task {task!r}; built-in tasks: {sorted(TASKS)}")
+        raise ValueError(
+            f"task: unknown task {task!r}; built-in tasks: {sorted(TASKS)}, or {REASONING_GYM}NAME"
+        )
     return TASKS[task]()
 
 
 def held_out_problems(task, count: int, seed: int) -> list[Problem]:
-    """A fixed evaluation set (distinct problems when the task has enough of them)."""
+    """A fixed evaluation set (distinct problems when the task has enough of them); a task with its
+    own ``held_out(count, seed)`` (a reasoning-gym generator) draws it itself."""
+    if hasattr(task, "held_out"):
+        return task.held_out(count, seed)
     rng = random.Random(seed)
     if isinstance(task, DatasetTask):
         pool = list(task.problems)
@@ -214,8 +227,12 @@ def held_out_problems(task, count: int, seed: int) -> list[Problem]:
 def check_training_pool(task, held_out: list[Problem]) -> None:
     """Refuse a task whose every problem is held out (training would draw only evaluation problems).
 
-    Raises ``ValueError`` naming ``eval_size`` with the task's number of distinct problems.
+    Raises ``ValueError`` naming ``eval_size`` with the task's number of distinct problems; a task
+    with its own ``check_training_pool`` (a reasoning-gym generator) checks itself.
     """
+    if hasattr(task, "check_training_pool"):
+        task.check_training_pool(held_out)
+        return
     distinct = task.num_problems
     held = len({problem.prompt for problem in held_out})
     if distinct - held < 1:

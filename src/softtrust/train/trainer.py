@@ -33,6 +33,7 @@ from .distributed import (
 )
 from .learner import Learner, build_optimizer, evaluate, policy_update
 from .loss_config import build_method_loss
+from .reasoning_gym_task import ReasoningGymTask
 from .rollout import (
     Evaluation,
     ProblemSampler,
@@ -45,7 +46,7 @@ from .rollout import (
 from .runlog import RunLog
 from .staleness import AsyncRollouts, LaggedRollouts, MiniBatch, RolloutSource, SyncRollouts
 from .state import TrainState
-from .tasks import build_task, check_training_pool, held_out_problems
+from .tasks import REASONING_GYM, build_task, check_training_pool, held_out_problems
 from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from .warmstart import warm_start
 
@@ -82,9 +83,7 @@ def train_in_world(config: TrainConfig, world: World) -> dict:
     """``train`` once the process group (if any) is up: the loop itself."""
     started = time.time()
     world.check_divides(config.prompts_per_step)
-    task = build_config_task(config)
-    eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
-    check_training_pool(task, eval_problems)
+    task, eval_problems = task_and_held_out(config)
     checkpoint = find_checkpoint(config.resume) if config.resume is not None else None
     run = RunLog.open(config, world)  # the first file written
     tokenizer, model = load_policy(config, run, task, eval_problems, world)
@@ -252,8 +251,29 @@ def training_samples(tokenizer, minibatch: MiniBatch, count: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- setup helpers
+def task_and_held_out(config: TrainConfig) -> tuple:
+    """The task and its held-out problems (never drawn for training), checked before any file is
+    written: some training problem is left, and a reasoning-gym generator fits the embedded model."""
+    task = build_config_task(config)
+    eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
+    check_training_pool(task, eval_problems)
+    if config.uses_embedded_model and isinstance(task, ReasoningGymTask):
+        task.check_embedded_model(eval_problems, config.max_new_tokens)  # or refuse the generator
+    return task, eval_problems
+
+
 def build_config_task(config: TrainConfig):
-    """The task the config names (``tasks.build_task``), with the dataset options."""
+    """The task the config names (``tasks.build_task``), with the dataset or reasoning-gym options."""
+    if config.dataset is None and config.task.startswith(REASONING_GYM):
+        return build_task(
+            config.task,
+            reward=config.reward,
+            task_config=config.task_config,
+            chat=has_chat_template(config),
+            system_prompt=config.system_prompt,
+            reward_weights=config.reward_weights or None,
+            correctness_reward=config.correctness_reward,
+        )
     if config.dataset is None:
         return build_task(config.task)
     return build_task(
@@ -266,6 +286,16 @@ def build_config_task(config: TrainConfig):
         reward_weights=config.reward_weights or None,
         correctness_reward=config.correctness_reward,
     )
+
+
+def has_chat_template(config: TrainConfig) -> bool:
+    """Whether the config's tokenizer renders conversations (never the embedded one's)."""
+    if config.uses_embedded_model:
+        return False
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def resolve_resume(config: TrainConfig) -> TrainConfig:
@@ -341,6 +371,9 @@ def warm_start_policy(
             "model": config.model or TinyModelConfig().__repr__(),
             "eval": (EVAL_SEED, config.eval_size),
             "dataset": config.dataset,
+            # a generator's options and a chat prompt's system message change the problems
+            **({"task_config": config.task_config} if config.task_config else {}),
+            **({"system_prompt": config.system_prompt} if config.system_prompt is not None else {}),
             # the stopping rule's validation set and decoding length shape a target-accuracy warm start
             **(
                 {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.max_new_tokens)}
