@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,24 @@ def test_numeric_dataset_answers_are_read_as_text(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "half", "answer": 0.5}\n')
     assert [p.answer for p in read_jsonl_problems(path)] == ["2", "0.5"]
+
+
+def test_without_the_package_every_entry_point_says_which_extra_to_install(monkeypatch, capsys):
+    """Guards the missing-package error for --task reasoning-gym:NAME (the import made to fail, so
+    this runs with or without reasoning-gym installed): validation, the task itself and the
+    command line give one line naming pip install -e ".[tasks]"."""
+    from softtrust.train.reasoning_gym_task import ReasoningGymTask
+
+    loaded = [name for name in sys.modules if name.startswith("reasoning_gym.")]
+    for name in ["reasoning_gym", *loaded]:  # `import reasoning_gym` now raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(
+        ValueError,
+        match=r'task: reasoning-gym:NAME needs the reasoning-gym package.*pip install -e "\.\[tasks\]"',
+    ):
+        TrainConfig(task="reasoning-gym:chain_sum").validate()
+    with pytest.raises(ValueError, match=r"pip install -e \"\.\[tasks\]\""):
+        ReasoningGymTask("chain_sum")
+    assert main(["train", "--task", "reasoning-gym:chain_sum", "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and 'pip install -e ".[tasks]"' in error
