@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from softtrust.train.config import TrainConfig
 from softtrust.train.loss_config import build_method_loss
 from softtrust.train.options import config_from_arguments
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from softtrust.train.values import parse_key_values
 
 torch.set_num_threads(1)
 
@@ -110,6 +112,32 @@ def test_yaml_config_then_flags_override_it(tmp_path):
         "eps_low": 0.2,
     }
     assert parse("--prompts-per-rollout", "12").prompts_per_step == 12
+
+
+def test_key_values_keep_commas_inside_brackets_and_a_bad_value_names_the_option():
+    """Guards list values in k=v options (``--task-config 'operators=[+, -],max_terms=3'``): a comma
+    inside brackets is part of the value; a value YAML cannot read is one line naming the option."""
+    assert parse_key_values("ops=[+, -],n=2,m={a: 1, b: 2}", "x") == {
+        "ops": ["+", "-"],
+        "n": 2,
+        "m": {"a": 1, "b": 2},
+    }
+    assert parse_key_values("k_pos=2,lambda_pos=3", "x") == {"k_pos": 2, "lambda_pos": 3}
+    with pytest.raises(
+        ValueError, match=r"task_config: cannot read the value of 'ops', '\[\+,-,\*\]'"
+    ) as error:
+        parse_key_values("ops=[+,-,*]", "task_config")
+    assert "\n" not in str(error.value)
+
+
+def test_the_reward_default_is_recorded_as_the_reward_used():
+    """Guards resuming across the default's change (``reward`` None = exact, or task for a
+    reasoning-gym task): ``resolved`` writes the reward used, so a run recorded with ``exact``
+    resumes with a config that leaves ``--reward`` out."""
+    assert TrainConfig().resolved().reward == "exact"
+    assert TrainConfig(dataset="d.jsonl").resolved().reward == "exact"
+    assert TrainConfig(task="reasoning-gym:chain_sum").resolved().reward == "task"
+    assert TrainConfig(task="reasoning-gym:chain_sum", reward="task,m:f").resolved().reward == "task,m:f"
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +368,24 @@ def test_numeric_dataset_answers_are_read_as_text(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "half", "answer": 0.5}\n')
     assert [p.answer for p in read_jsonl_problems(path)] == ["2", "0.5"]
+
+
+def test_without_the_package_every_entry_point_says_which_extra_to_install(monkeypatch, capsys):
+    """Guards the missing-package error for --task reasoning-gym:NAME (the import made to fail, so
+    this runs with or without reasoning-gym installed): validation, the task itself and the
+    command line give one line naming pip install -e ".[tasks]"."""
+    from softtrust.train.reasoning_gym_task import ReasoningGymTask
+
+    loaded = [name for name in sys.modules if name.startswith("reasoning_gym.")]
+    for name in ["reasoning_gym", *loaded]:  # `import reasoning_gym` now raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(
+        ValueError,
+        match=r'task: reasoning-gym:NAME needs the reasoning-gym package.*pip install -e "\.\[tasks\]"',
+    ):
+        TrainConfig(task="reasoning-gym:chain_sum").validate()
+    with pytest.raises(ValueError, match=r"pip install -e \"\.\[tasks\]\""):
+        ReasoningGymTask("chain_sum")
+    assert main(["train", "--task", "reasoning-gym:chain_sum", "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and 'pip install -e ".[tasks]"' in error

@@ -745,8 +745,24 @@ def test_run_directory_holds_config_metrics_checkpoints_final_summary_and_plot(m
     assert find_checkpoint(run).name == "step-000003"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     saved = json.loads((run / "summary.json").read_text())
-    for key in ("accuracy_before", "accuracy_after", "steps", "method", "staleness", "wall_seconds"):
+    for key in (
+        "accuracy_before",
+        "accuracy_after",
+        "score_before",
+        "score_after",
+        "steps",
+        "method",
+        "staleness",
+        "wall_seconds",
+    ):
         assert key in saved
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["eval/score"] for e in events if "eval/score" in e] == [
+        saved["score_before"],
+        saved["score_after"],
+    ]
+    # digit_reward gives partial credit: the score is its mean, the accuracy the share >= 1
+    assert 0 <= saved["accuracy_after"] <= saved["score_after"] <= 1
     assert saved == json.loads(json.dumps(summary))
     model = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(run / "final", local_files_only=True)

@@ -75,13 +75,15 @@ def run_train(arguments: argparse.Namespace) -> int:
 
 
 def result_line(summary: dict) -> str:
-    """The run's last line: held-out accuracy before and after, and whether it rose."""
+    """The run's last line: held-out accuracy before and after, whether it rose, and the mean
+    score beside it (a reward with partial credit moves the score before the accuracy)."""
     schedule = f"N={summary['staleness']}" if summary["mode"] == "sync" else f"async, K={summary['max_lag']}"
     before, after = summary["accuracy_before"], summary["accuracy_after"]
     change = 100 * (after - before)
     verdict = f"rose by {change:.1f} points" if change > 0 else f"did not rise ({change:+.1f} points)"
     return (
-        f"held-out accuracy {before:.3f} -> {after:.3f} ({verdict}) after {summary['steps']} steps of "
+        f"held-out accuracy {before:.3f} -> {after:.3f} ({verdict}; mean score "
+        f"{summary['score_before']:.3f} -> {summary['score_after']:.3f}) after {summary['steps']} steps of "
         f"{summary['method']} ({schedule}) in {summary['wall_seconds']:.0f} s; "
         f"run directory: {summary['final_dir'].rsplit('/final', 1)[0]}"
     )

@@ -22,6 +22,8 @@ from softtrust.kl import KL_ESTIMATORS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
+from .machine import check_causal_lm_directory, check_device, resolve_device
+from .tasks import check_task, default_reward
 from .values import check_field_value, coerce, load_yaml_mapping
 
 MODES = ("sync", "async")
@@ -69,7 +71,17 @@ class TrainConfig:
 
     # --- task and model
     task: str = _field(
-        "addition", "Built-in task (addition, addition-1digit, scratchpad); ignored when --dataset is given."
+        "addition",
+        "Built-in task (addition, addition-1digit, scratchpad), or reasoning-gym:NAME, a reasoning-gym "
+        "generator scored by its own verifier (pip install -e '.[tasks]'); ignored when --dataset is given.",
+    )
+    task_config: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "Options of a reasoning-gym:NAME generator (its config's fields) as k=v pairs, e.g. "
+            "'min_terms=2,max_terms=3' (a YAML mapping in --config); size: the entries of its training and "
+            "of its held-out generator (default 10000)."
+        },
     )
     dataset: str | None = _field(
         None,
@@ -81,20 +93,25 @@ class TrainConfig:
         "answer", "--dataset's answer column (what the built-in rewards compare with)."
     )
     system_prompt: str | None = _field(
-        None, "A system message put first in every conversational prompt that has none."
+        None,
+        "A system message put first in every conversational prompt that has none (a reasoning-gym task's "
+        "chat prompts: instead of reasoning-gym's own).",
     )
-    reward: str = _field(
-        "exact",
-        "Reward(s) for --dataset, comma-separated: exact | numeric | math | module:function "
-        "(per sample (completion, answer, **columns) or TRL's batched (prompts, completions, "
-        "completion_ids, **columns) -> list of float or None).",
+    reward: str | None = _field(
+        None,
+        "Reward(s) for --dataset or a reasoning-gym task, comma-separated: exact | numeric | math | "
+        "task (a reasoning-gym generator's own score) | module:function (per sample (completion, answer, "
+        "**columns) or TRL's batched (prompts, completions, completion_ids, **columns) -> list of float "
+        "or None) (default: exact for --dataset, task for reasoning-gym:NAME).",
     )
     reward_weights: list[float] = field(
         default_factory=list,
         metadata={"help": "Weights of the --reward functions, e.g. '1,0.1' (default: 1 each)."},
     )
     correctness_reward: str | None = _field(
-        None, "The --reward whose value >= 1 counts as correct in held-out accuracy (default: the first)."
+        None,
+        "The --reward whose value >= 1 counts as correct in held-out accuracy (default: the first; "
+        "a reasoning-gym task's is always task).",
     )
     strict_reward: bool = _field(
         False, "Re-raise reward-function errors instead of scoring 0 and counting them."
@@ -396,10 +413,11 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def resolved(self) -> TrainConfig:
-        """A copy with the defaults that depend on other fields filled in (``effective_sft_steps``,
-        ``effective_max_new_tokens``, ``effective_old_logprobs``): what a run trains with and records in ``config.yaml``, so
-        a rerun or a resume from it uses the same values whatever the defaults become."""
+        """A copy with the defaults that depend on other fields filled in (``effective_*``, the
+        reward: ``tasks.default_reward``): what a run trains with and records in ``config.yaml``,
+        so a rerun or a resume from it uses the same values whatever the defaults become."""
         return self.replace(
+            reward=self.reward if self.reward is not None else default_reward(self),
             sft_steps=self.effective_sft_steps,
             max_new_tokens=self.effective_max_new_tokens,
             advantage_scale=self.effective_advantage_scale,
@@ -457,13 +475,7 @@ class TrainConfig:
             "kl_target",
             "the adaptive KL controller starts from --kl-coef and scales it, so it needs --kl-coef > 0",
         )
-        need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
-        need(
-            not self.device.startswith("cuda") or torch.cuda.is_available(),
-            "device",
-            "CUDA was asked for but torch.cuda.is_available() is False (a CPU build of torch, or no GPU); "
-            "pass --device cpu (also to resume a GPU run here)",
-        )
+        check_device(self.device)
         need(
             not (self.fsdp and self.mode == "async"),
             "fsdp",
@@ -473,6 +485,7 @@ class TrainConfig:
         need(self.dtype in DTYPES, "dtype", f"choose one of {tuple(DTYPES)}")
         if self.dataset is not None:
             need(Path(self.dataset).exists(), "dataset", "no such file or directory")
+        check_task(self)
         if self.model is not None:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
@@ -578,45 +591,6 @@ class TrainConfig:
         return EMBEDDED_MAX_NEW_TOKENS if self.uses_embedded_model else MODEL_MAX_NEW_TOKENS
 
 
-def check_causal_lm_directory(path: str) -> None:
-    """Fail with a message naming ``model`` unless ``path`` holds a causal LM config and a tokenizer."""
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except Exception as error:
-        raise ValueError(f"model: cannot read the config in {path!r} ({error})") from error
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"model: {path!r} holds a {config.model_type!r} model, which is not a causal LM")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((directory / name).is_file() for name in tokenizer_files):
-        raise ValueError(
-            f"model: {path!r} has no tokenizer files (save the tokenizer with save_pretrained too)"
-        )
-
-
-# ---------------------------------------------------------------------- command line
-def _known_device(device: str) -> bool:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    return device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
-
-
-def resolve_device(device: str) -> torch.device:
-    """The ``torch.device`` of a one-process run: ``auto`` is ``cuda`` when available, else ``cpu``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 RESUMABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resumable"))
 
-__all__ = [
-    "RESUMABLE_FIELDS",
-    "TrainConfig",
-    "check_causal_lm_directory",
-    "resolve_device",
-]
+__all__ = ["RESUMABLE_FIELDS", "TrainConfig", "check_causal_lm_directory", "resolve_device"]

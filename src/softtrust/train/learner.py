@@ -27,7 +27,7 @@ from softtrust.loss import PolicyLoss
 
 from .config import TrainConfig
 from .distributed import World, full_model_state, full_tensor
-from .rollout import greedy_accuracy
+from .rollout import Evaluation, greedy_evaluation
 from .scoring import Scoring, completion_logprobs_of, row_pieces
 from .staleness import MiniBatch
 
@@ -501,13 +501,14 @@ def behaviour_kl(
 
 def evaluate(
     learner: Learner, tokenizer, task, problems, config: TrainConfig, samples: list | None = None
-) -> float:
-    """Held-out greedy accuracy. DDP: each rank scores a strided share, counts are summed.
-    FSDP2: every rank decodes every problem in lock-step (each forward gathers parameters).
-    ``samples`` receives the first ``config.num_samples`` problems' completions (one process only)."""
+) -> Evaluation:
+    """Held-out greedy accuracy and mean score (``rollout.Evaluation``). DDP: each rank scores a
+    strided share, counts and score sums are summed. FSDP2: every rank decodes every problem in
+    lock-step (each forward gathers parameters). ``samples`` receives the first
+    ``config.num_samples`` problems' completions (one process only)."""
     world, strict = learner.world, config.strict_reward
     if not world.distributed:
-        return greedy_accuracy(
+        return greedy_evaluation(
             learner.model,
             tokenizer,
             task,
@@ -518,7 +519,7 @@ def evaluate(
             num_samples=config.num_samples,
         )
     if world.fsdp:
-        return greedy_accuracy(
+        return greedy_evaluation(
             learner.policy,
             tokenizer,
             task,
@@ -528,7 +529,10 @@ def evaluate(
             strict=strict,
         )
     share = problems[world.rank :: world.size]
-    correct = greedy_accuracy(
+    mine = greedy_evaluation(
         learner.model, tokenizer, task, share, config.effective_max_new_tokens, strict=strict
     )
-    return world.sum(round(correct * len(share))) / len(problems)
+    return Evaluation(
+        world.sum(round(mine.accuracy * len(share))) / len(problems),
+        world.sum(mine.score * len(share)) / len(problems),
+    )

@@ -1,8 +1,8 @@
 """Rewards of a ``--dataset`` run: built-in ones, user functions in two signatures, weights.
 
-``--reward`` names one or more rewards separated by commas: ``exact``, ``numeric``, ``math``
-or ``module:function``. A user function is called in one of two ways, told apart by its
-parameters:
+``--reward`` names one or more rewards separated by commas: ``exact``, ``numeric``, ``math``,
+``task`` (a reasoning-gym generator's verifier, ``reasoning_gym_task``) or ``module:function``.
+A user function is called in one of two ways, told apart by its parameters:
 
 - per sample: ``f(completion, answer, **columns) -> float`` (a parameter named ``completion``
   or the first two positional parameters); the record's other columns are passed as keyword
@@ -166,12 +166,15 @@ def raw_prompt(prompt):
     return [{"role": role, "content": content} for role, content in prompt]
 
 
-def load_function(spec: str) -> Callable:
-    """A built-in reward by name, or ``module:function``."""
-    if spec in BUILT_IN:
-        return BUILT_IN[spec]
+def load_function(spec: str, own: dict[str, Callable] | None = None) -> Callable:
+    """A built-in reward by name, one of the task's ``own`` (``task``: a reasoning-gym
+    generator's score), or ``module:function``."""
+    named = {**BUILT_IN, **(own or {})}
+    if spec in named:
+        return named[spec]
     if ":" not in spec:
-        raise ValueError(f"reward: expected {', '.join(BUILT_IN)} or 'module:function', got {spec!r}")
+        hint = "" if own else " ('task' is a reasoning-gym generator's score, for --task reasoning-gym:NAME)"
+        raise ValueError(f"reward: expected {', '.join(named)} or 'module:function', got {spec!r}{hint}")
     module_name, _, function_name = spec.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), function_name)
@@ -217,8 +220,13 @@ class RewardSet:
 
     @classmethod
     def parse(
-        cls, spec: str, weights: Sequence[float] | None = None, correctness: str | None = None
+        cls,
+        spec: str,
+        weights: Sequence[float] | None = None,
+        correctness: str | None = None,
+        own: dict[str, Callable] | None = None,
     ) -> RewardSet:
+        """The rewards ``spec`` names (``load_function``; ``own``: the task's named rewards)."""
         names = [part.strip() for part in spec.split(",") if part.strip()]
         if not names:
             raise ValueError(f"reward: expected at least one reward, got {spec!r}")
@@ -228,7 +236,8 @@ class RewardSet:
                 f"reward_weights: {len(weights)} weight(s) {weights} for {len(names)} reward(s) {names}"
             )
         rewards = [
-            as_reward(name, load_function(name), float(w)) for name, w in zip(names, weights, strict=True)
+            as_reward(name, load_function(name, own), float(w))
+            for name, w in zip(names, weights, strict=True)
         ]
         if correctness is None:
             index = 0
@@ -253,6 +262,11 @@ class RewardSet:
     @property
     def names(self) -> list[str]:
         return [reward.name for reward in self.rewards]
+
+    @property
+    def correctness_name(self) -> str:
+        """The name of the reward that decides correctness (and is the held-out score)."""
+        return self.rewards[self.correctness].name
 
     def single(self, completion: str, answer: str) -> float:
         """The correctness reward of one completion, for a per-sample reward (the ``Task`` protocol)."""
@@ -306,7 +320,7 @@ class RewardScorer:
             sum(r.weight * parts[r.name][i] for r in self.rewards.rewards if parts[r.name][i] is not None)
             for i in range(len(problems))
         ]
-        deciding = parts[self.rewards.rewards[self.rewards.correctness].name]
+        deciding = parts[self.rewards.correctness_name]
         correct = [value is not None and value >= 1.0 for value in deciding]
         return torch.tensor(total, dtype=torch.float32), correct, parts
 

@@ -19,6 +19,7 @@ import inspect
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 
@@ -507,8 +508,24 @@ def generate_rollout(
     )
 
 
-@torch.no_grad()
+class Evaluation(NamedTuple):
+    """Held-out greedy results: ``accuracy``, the share of problems whose correctness reward is
+    >= 1, and ``score``, that reward's mean (a failing or ``None`` value counts 0): a reward with
+    partial credit (a reasoning-gym verifier) moves the score before the accuracy."""
+
+    accuracy: float
+    score: float
+
+
 def greedy_accuracy(
+    model, tokenizer, task, problems: Sequence[Problem], max_new_tokens: int, **options
+) -> float:
+    """``greedy_evaluation``'s accuracy alone."""
+    return greedy_evaluation(model, tokenizer, task, problems, max_new_tokens, **options).accuracy
+
+
+@torch.no_grad()
+def greedy_evaluation(
     model,
     tokenizer,
     task,
@@ -519,16 +536,17 @@ def greedy_accuracy(
     strict: bool = False,
     samples: list | None = None,
     num_samples: int = 4,
-) -> float:
-    """Fraction of ``problems`` whose greedy completion the correctness reward scores >= 1, scored
-    as in RL (``RewardScorer``): a failing or invalid reward counts as wrong (``strict``: raises).
+) -> Evaluation:
+    """Accuracy and mean correctness reward of ``problems``' greedy completions (``Evaluation``),
+    scored as in RL (``RewardScorer``): a failing or invalid reward counts as wrong and scores 0
+    (``strict``: raises).
 
     ``samples``: a list that receives the first ``num_samples`` problems' prompt as fed to the
     model, completion and rewards (what ``samples.jsonl`` records)."""
     scorer = RewardScorer(task, strict=strict)
     was_training = model.training
     model.eval()
-    correct = 0
+    correct, score = 0, 0.0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
         prompt_ids, prompt_mask = encode_prompts(tokenizer, [problem.prompt for problem in chunk])
@@ -547,6 +565,7 @@ def greedy_accuracy(
             chunk, texts, completion_token_ids(completion_ids, completion_mask)
         )
         correct += sum(right)
+        score += sum(value or 0.0 for value in parts[scorer.rewards.correctness_name])
         if samples is not None:
             for index in range(min(len(chunk), num_samples - len(samples))):
                 samples.append(
@@ -560,4 +579,4 @@ def greedy_accuracy(
                     }
                 )
     model.train(was_training)
-    return correct / max(len(problems), 1)
+    return Evaluation(correct / max(len(problems), 1), score / max(len(problems), 1))

@@ -17,6 +17,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
 
 from .config import TrainConfig
 from .distributed import World
+
+if TYPE_CHECKING:
+    from .rollout import Evaluation
 
 # What a run writes into its directory: a directory holding any of them holds a run.
 RUN_FILES = (
@@ -211,11 +215,12 @@ class RunLog:
         model,
         tokenizer,
         state,
-        accuracy_after: float,
+        after: Evaluation,
         wall_seconds: float,
         model_state: dict[str, torch.Tensor] | None = None,
     ) -> dict:
-        """Write ``final/`` (``model_state``: the gathered weights of an FSDP2 model) and the summary."""
+        """Write ``final/`` (``model_state``: the gathered weights of an FSDP2 model) and the summary
+        (``after``: the last held-out accuracy and mean score)."""
         final = self.directory / "final"
         if self.writes:
             save_final_model(final, model, tokenizer, model_state)
@@ -223,7 +228,9 @@ class RunLog:
         window = max(1, len(rewards) // 10)
         summary = {
             "accuracy_before": state.accuracy_before,
-            "accuracy_after": accuracy_after,
+            "accuracy_after": after.accuracy,
+            "score_before": state.score_before,
+            "score_after": after.score,
             "reward_first": sum(rewards[:window]) / window if rewards else None,
             "reward_last": sum(rewards[-window:]) / window if rewards else None,
             "steps": state.step,

@@ -15,6 +15,7 @@ COUNTERS = (
     "reward_failures",
     "completion_tokens",
     "accuracy_before",
+    "score_before",
 )
 
 
@@ -33,6 +34,7 @@ class TrainState:
     reward_failures: int = 0
     completion_tokens: int = 0
     accuracy_before: float = math.nan
+    score_before: float = math.nan
 
     def count_update(self, skipped: bool) -> None:
         """Count an update: a skipped one (non-finite loss or gradient) adds to both skip counters,

@@ -8,17 +8,25 @@ A task is a small object with three jobs:
 
 Built-in tasks live in the ``TASKS`` registry (``--task NAME``); a JSONL file of
 ``{"prompt": ..., "answer": ...}`` lines becomes a ``DatasetTask`` (``--dataset``)
-scored by ``exact``, ``numeric`` or a user ``module:function`` reward.
+scored by ``exact``, ``numeric`` or a user ``module:function`` reward; ``--task
+reasoning-gym:NAME`` is a reasoning-gym generator scored by its own verifier
+(``reasoning_gym_task.ReasoningGymTask``). ``check_task`` (``TrainConfig.validate``) and
+``task_and_held_out`` (the trainer) are what a ``TrainConfig`` asks of this module.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .data import problems_from_records, read_records
 from .problem import Problem
+from .reasoning_gym_task import REASONING_GYM, ReasoningGymTask, check_options
 from .rewards import RewardSet
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 def digit_partial_reward(completion: str, answer: str, partial_weight: float = 0.2) -> float:
@@ -151,18 +159,26 @@ TASKS = {
 }
 
 
-def build_task(task: str, dataset: str | None = None, reward: str = "exact", **options):
+def build_task(task: str, dataset: str | None = None, reward: str | None = "exact", **options):
     """The task a config names: a ``dataset`` if given (``options``: ``DatasetTask``'s keyword
-    arguments), else the built-in ``task``."""
+    arguments; ``reward`` default ``exact``), a reasoning-gym generator for ``reasoning-gym:NAME``
+    (``options``: ``ReasoningGymTask``'s; ``reward`` default ``task``), else the built-in ``task``."""
     if dataset is not None:
-        return DatasetTask(dataset, reward, **options)
+        return DatasetTask(dataset, reward or "exact", **options)
+    if task is not None and task.startswith(REASONING_GYM):
+        return ReasoningGymTask(task[len(REASONING_GYM) :], reward=reward, **options)
     if task not in TASKS:
-        raise ValueError(f"task: unknown task {task!r}; built-in tasks: {sorted(TASKS)}")
+        raise ValueError(
+            f"task: unknown task {task!r}; built-in tasks: {sorted(TASKS)}, or {REASONING_GYM}NAME"
+        )
     return TASKS[task]()
 
 
 def held_out_problems(task, count: int, seed: int) -> list[Problem]:
-    """A fixed evaluation set (distinct problems when the task has enough of them)."""
+    """A fixed evaluation set (distinct problems when the task has enough of them); a task with its
+    own ``held_out(count, seed)`` (a reasoning-gym generator) draws it itself."""
+    if hasattr(task, "held_out"):
+        return task.held_out(count, seed)
     rng = random.Random(seed)
     if isinstance(task, DatasetTask):
         pool = list(task.problems)
@@ -182,8 +198,12 @@ def held_out_problems(task, count: int, seed: int) -> list[Problem]:
 def check_training_pool(task, held_out: list[Problem]) -> None:
     """Refuse a task whose every problem is held out (training would draw only evaluation problems).
 
-    Raises ``ValueError`` naming ``eval_size`` with the task's number of distinct problems.
+    Raises ``ValueError`` naming ``eval_size`` with the task's number of distinct problems; a task
+    with its own ``check_training_pool`` (a reasoning-gym generator) checks itself.
     """
+    if hasattr(task, "check_training_pool"):
+        task.check_training_pool(held_out)
+        return
     distinct = task.num_problems
     held = len({problem.prompt for problem in held_out})
     if distinct - held < 1:
@@ -191,3 +211,78 @@ def check_training_pool(task, held_out: list[Problem]) -> None:
             f"eval_size: the task has {distinct} distinct problems and the held-out set takes {held} of them, "
             f"leaving none to train on; pass --eval-size below {distinct} (or a larger dataset)"
         )
+
+
+# ---------------------------------------------------------------------- a TrainConfig's task
+def check_task(config: TrainConfig) -> None:
+    """The task the config trains on exists, and ``task_config`` applies to it: a reasoning-gym
+    generator's name and options are checked here (``reasoning_gym_task.check_options``), before
+    any work. Raises ``ValueError`` naming ``task`` or ``task_config``."""
+    if config.dataset is None and config.task.startswith(REASONING_GYM):
+        check_options(config.task[len(REASONING_GYM) :], config.task_config)
+        return
+    if config.task_config:
+        used = "--dataset" if config.dataset is not None else f"task {config.task!r}"
+        raise ValueError(
+            f"task_config: options of a reasoning-gym generator, for --task {REASONING_GYM}NAME; this run "
+            f"uses {used} (got {config.task_config!r})"
+        )
+    if config.dataset is None and config.task not in TASKS:
+        raise ValueError(
+            f"task: unknown task {config.task!r}; expected a built-in task {sorted(TASKS)} or "
+            f"{REASONING_GYM}NAME (a reasoning-gym generator)"
+        )
+
+
+def default_reward(config: TrainConfig) -> str:
+    """``--reward``'s default (``TrainConfig.resolved`` records it): ``task``, the generator's
+    verifier, for a reasoning-gym task; else ``exact`` (what a ``--dataset`` run scores with)."""
+    return "task" if config.dataset is None and config.task.startswith(REASONING_GYM) else "exact"
+
+
+def task_and_held_out(config: TrainConfig, eval_seed: int) -> tuple:
+    """The task and its held-out problems (drawn with ``eval_seed``, never drawn for training),
+    checked before any file is written: some training problem is left, and a reasoning-gym
+    generator fits the embedded model."""
+    task = build_config_task(config)
+    eval_problems = held_out_problems(task, config.eval_size, seed=eval_seed)
+    check_training_pool(task, eval_problems)
+    if config.uses_embedded_model and isinstance(task, ReasoningGymTask):
+        task.check_embedded_model(eval_problems, config.effective_max_new_tokens)  # or refuse it
+    return task, eval_problems
+
+
+def build_config_task(config: TrainConfig):
+    """The task the config names (``build_task``), with the dataset or reasoning-gym options."""
+    if config.dataset is None and config.task.startswith(REASONING_GYM):
+        return build_task(
+            config.task,
+            reward=config.reward,
+            task_config=config.task_config,
+            chat=has_chat_template(config),
+            system_prompt=config.system_prompt,
+            reward_weights=config.reward_weights or None,
+            correctness_reward=config.correctness_reward,
+        )
+    if config.dataset is None:
+        return build_task(config.task)
+    return build_task(
+        config.task,
+        config.dataset,
+        config.reward,
+        prompt_column=config.prompt_column,
+        answer_column=config.answer_column,
+        system_prompt=config.system_prompt,
+        reward_weights=config.reward_weights or None,
+        correctness_reward=config.correctness_reward,
+    )
+
+
+def has_chat_template(config: TrainConfig) -> bool:
+    """Whether the config's tokenizer renders conversations (never the embedded one's)."""
+    if config.uses_embedded_model:
+        return False
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    return bool(getattr(tokenizer, "chat_template", None))

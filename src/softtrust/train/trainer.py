@@ -38,6 +38,7 @@ from .learner import Learner, build_optimizer, evaluate
 from .loss_config import build_kl_controller, build_method_loss
 from .options import resume_config
 from .rollout import (
+    Evaluation,
     ProblemSampler,
     RewardScorer,
     RolloutBatch,
@@ -60,7 +61,7 @@ from .staleness import (
     SyncRollouts,
 )
 from .state import TrainState
-from .tasks import build_task, check_training_pool, held_out_problems
+from .tasks import task_and_held_out
 from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from .warmstart import warm_start
 
@@ -124,11 +125,11 @@ def train_in_world(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) ->
         session.rollouts.close()
     save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
     run.note(f"evaluating {len(session.eval_problems)} held-out problems after RL (greedy)")
-    accuracy_after = evaluate_and_sample(session, config, state.step)
-    run.log_event({"step": state.step, "eval/accuracy": accuracy_after})
+    after = evaluate_and_sample(session, config, state.step)
+    run.log_event({"step": state.step, "eval/accuracy": after.accuracy, "eval/score": after.score})
     final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
     return run.finish(
-        config, session.model, session.tokenizer, state, accuracy_after, time.time() - started, final_state
+        config, session.model, session.tokenizer, state, after, time.time() - started, final_state
     )
 
 
@@ -174,7 +175,7 @@ def log_evaluate_checkpoint(
             state.step, "train", training_samples(session.tokenizer, minibatch, config.num_samples)
         )
     if config.eval_every and state.step % config.eval_every == 0 and state.step < config.max_steps:
-        metrics["eval/accuracy"] = evaluate_and_sample(session, config, state.step)
+        metrics["eval/accuracy"], metrics["eval/score"] = evaluate_and_sample(session, config, state.step)
     run.log_step(metrics, progress)
     if state.nonfinite_in_a_row >= config.max_nonfinite:
         save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
@@ -193,9 +194,7 @@ def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session
     evaluated once before RL."""
     world.check_divides(config.prompts_per_step)
     check_group_filter(config, world)
-    task = build_config_task(config)
-    eval_problems = held_out_problems(task, config.eval_size, seed=EVAL_SEED)
-    check_training_pool(task, eval_problems)
+    task, eval_problems = task_and_held_out(config, EVAL_SEED)
     checkpoint = find_checkpoint(config.resume) if config.resume is not None else None
     run = RunLog.open(config, world)  # the first file written
     tokenizer, model = load_policy(config, run, task, eval_problems, world)
@@ -222,8 +221,8 @@ def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session
         run.truncate_after(state.step)  # metrics logged after the checkpoint will be logged again
     else:
         run.note(f"evaluating {len(eval_problems)} held-out problems before RL (greedy)")
-        state.accuracy_before = evaluate_and_sample(session, config, 0)
-        run.log_event({"step": 0, "eval/accuracy": state.accuracy_before})
+        state.accuracy_before, state.score_before = evaluate_and_sample(session, config, 0)
+        run.log_event({"step": 0, "eval/accuracy": state.accuracy_before, "eval/score": state.score_before})
     rollouts.start(state.step, model)
     return session
 
@@ -334,15 +333,15 @@ def step_metrics(
     }
 
 
-def evaluate_and_sample(session: Session, config: TrainConfig, step: int) -> float:
-    """Held-out greedy accuracy (``learner.evaluate``); the first ``num_samples`` held-out
-    problems' prompts, completions and rewards go to ``samples.jsonl``."""
+def evaluate_and_sample(session: Session, config: TrainConfig, step: int) -> Evaluation:
+    """Held-out greedy accuracy and mean score (``learner.evaluate``); the first ``num_samples``
+    held-out problems' prompts, completions and rewards go to ``samples.jsonl``."""
     samples = [] if config.num_samples else None
-    accuracy = evaluate(
+    evaluation = evaluate(
         session.learner, session.tokenizer, session.task, session.eval_problems, config, samples=samples
     )
     session.run.log_samples(step, "eval", samples or [])
-    return accuracy
+    return evaluation
 
 
 def training_samples(tokenizer, minibatch: MiniBatch, count: int) -> list[dict]:
@@ -364,22 +363,6 @@ def training_samples(tokenizer, minibatch: MiniBatch, count: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- setup helpers
-def build_config_task(config: TrainConfig):
-    """The task the config names (``tasks.build_task``), with the dataset options."""
-    if config.dataset is None:
-        return build_task(config.task)
-    return build_task(
-        config.task,
-        config.dataset,
-        config.reward,
-        prompt_column=config.prompt_column,
-        answer_column=config.answer_column,
-        system_prompt=config.system_prompt,
-        reward_weights=config.reward_weights or None,
-        correctness_reward=config.correctness_reward,
-    )
-
-
 def resolve_resume(config: TrainConfig) -> TrainConfig:
     """On ``resume``: the run's stored config with ``config``'s values on top, refusing those that
     would change what it trains (``config.resume_config``); the run writes into its own directory."""
@@ -469,6 +452,9 @@ def warm_start_policy(
                 "model": config.model or TinyModelConfig().__repr__(),
                 "eval": (EVAL_SEED, config.eval_size),
                 "dataset": config.dataset,
+                # a generator's options and a chat prompt's system message change the problems
+                **({"task_config": config.task_config} if config.task_config else {}),
+                **({"system_prompt": config.system_prompt} if config.system_prompt is not None else {}),
                 # the stopping rule's validation set and decoding length shape a target-accuracy warm start
                 **(
                     {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)}

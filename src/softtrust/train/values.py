@@ -19,15 +19,35 @@ import yaml
 
 
 def parse_key_values(text: str, name: str) -> dict:
-    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML scalars (and ``1e-6``,
-    which PyYAML reads as text, as the number)."""
+    """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML (and ``1e-6``, which PyYAML
+    reads as text, as the number); commas inside brackets stay in their value
+    (``'ops=[+, -],n=2'`` -> ``{'ops': ['+', '-'], 'n': 2}``)."""
     values = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in filter(None, (part.strip() for part in _split_outside_brackets(text))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{name}: expected key=value pairs separated by commas, got {text!r}")
-        values[key.strip()] = _number_if_float(yaml.safe_load(value))
+        try:
+            values[key.strip()] = _number_if_float(yaml.safe_load(value))
+        except yaml.YAMLError as error:
+            raise ValueError(
+                f"{name}: cannot read the value of {key.strip()!r}, {value!r} (quote special characters, "
+                f'e.g. \'["+", "*"]\'): {str(error).splitlines()[0]}'
+            ) from error
     return values
+
+
+def _split_outside_brackets(text: str) -> list[str]:
+    """``text`` split at the commas that are not inside ``[...]`` or ``{...}``."""
+    parts, depth, current = [], 0, ""
+    for character in text:
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(character, 0)
+        if character == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += character
+    return [*parts, current]
 
 
 def _number_if_float(value):
