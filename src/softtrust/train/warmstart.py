@@ -7,9 +7,11 @@ with the CPU's float path (``ATEN_CPU_CAPABILITY``), so a fixed step count lands
 side of it: the embedded default stops on a validation accuracy target instead.
 
 The result is cached under ``<cache>/warmstart/<hash>.safetensors``, keyed by everything that
-determines it (model size, seed, task, steps, learning rate, batch size, target, and the float
+determines it (the model, seed, task, steps, learning rate, batch size, target, and the float
 path: torch version, CPU kernel set, thread count), written atomically and trained by one
 process at a time (a lock beside the entry: concurrent runs of one seed wait and load it).
+Files enter the key by their content (``content_fingerprint``), never by their path: an edited
+dataset or new weights saved into a ``--model`` directory are another entry.
 """
 
 from __future__ import annotations
@@ -67,6 +69,44 @@ def cache_root(cache_dir: str | None = None) -> Path:
     if os.environ.get("SOFTTRUST_CACHE"):
         return Path(os.environ["SOFTTRUST_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "softtrust"
+
+
+FULL_HASH_BYTES = 8 << 20  # files up to this size are hashed whole
+EDGE_BYTES = 1 << 20  # of a larger file: its size, mtime and a hash of its first and last MiB
+
+
+def file_fingerprint(path: Path) -> str:
+    """A file's content in a few words: ``sha256:<hex>`` of the whole file up to
+    ``FULL_HASH_BYTES``; for a larger one (model weights) its size, modification time and the
+    hash of its first and last ``EDGE_BYTES`` (re-saved weights change the time, an edit the hash)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: handle.read(EDGE_BYTES), b""):
+                digest.update(block)
+            return f"sha256:{digest.hexdigest()}"
+        digest.update(handle.read(EDGE_BYTES))
+        handle.seek(-EDGE_BYTES, os.SEEK_END)
+        digest.update(handle.read(EDGE_BYTES))
+    return f"{size}:{path.stat().st_mtime_ns}:{digest.hexdigest()}"
+
+
+def content_fingerprint(path: str | Path) -> str:
+    """What a warm-start key holds for a file or a directory (a model, a ``save_to_disk``
+    dataset): ``file_fingerprint`` of the file, or a hash over every file under the directory
+    (relative path and fingerprint; hidden ones, such as a download cache, left out)."""
+    path = Path(path)
+    if path.is_file():
+        return file_fingerprint(path)
+    if not path.is_dir():
+        return f"missing:{path}"
+    files = {}
+    for file in sorted(path.rglob("*")):
+        relative = file.relative_to(path)
+        if file.is_file() and not any(part.startswith(".") for part in relative.parts):
+            files[relative.as_posix()] = file_fingerprint(file)
+    return "dir:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def warmstart_key(**recipe) -> str:
