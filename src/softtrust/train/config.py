@@ -22,7 +22,14 @@ from softtrust.kl import KL_ESTIMATORS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
-from .values import check_field_value, coerce, load_yaml_mapping
+from .values import (
+    check_causal_lm_directory,
+    check_field_value,
+    coerce,
+    known_device,
+    load_yaml_mapping,
+    resolve_device,
+)
 
 MODES = ("sync", "async")
 PROXIMAL = ("none", "recompute", "loglinear", "held")
@@ -457,7 +464,7 @@ class TrainConfig:
             "kl_target",
             "the adaptive KL controller starts from --kl-coef and scales it, so it needs --kl-coef > 0",
         )
-        need(_known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
+        need(known_device(self.device), "device", "choose auto, cpu, cuda or cuda:N")
         need(
             not self.device.startswith("cuda") or torch.cuda.is_available(),
             "device",
@@ -576,40 +583,6 @@ class TrainConfig:
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         return EMBEDDED_MAX_NEW_TOKENS if self.uses_embedded_model else MODEL_MAX_NEW_TOKENS
-
-
-def check_causal_lm_directory(path: str) -> None:
-    """Fail with a message naming ``model`` unless ``path`` holds a causal LM config and a tokenizer."""
-    directory = Path(path)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    except Exception as error:
-        raise ValueError(f"model: cannot read the config in {path!r} ({error})") from error
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"model: {path!r} holds a {config.model_type!r} model, which is not a causal LM")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((directory / name).is_file() for name in tokenizer_files):
-        raise ValueError(
-            f"model: {path!r} has no tokenizer files (save the tokenizer with save_pretrained too)"
-        )
-
-
-# ---------------------------------------------------------------------- command line
-def _known_device(device: str) -> bool:
-    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    return device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
-
-
-def resolve_device(device: str) -> torch.device:
-    """The ``torch.device`` of a one-process run: ``auto`` is ``cuda`` when available, else ``cpu``."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 RESUMABLE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resumable"))

@@ -62,10 +62,7 @@ from .staleness import (
 from .state import TrainState
 from .tasks import build_task, check_training_pool, held_out_problems
 from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from .warmstart import content_fingerprint, warm_start
-
-EVAL_SEED = 1_234_567  # the held-out set does not depend on the training seed
-VALIDATION_SEED, VALIDATION_SIZE = 7_654_321, 256  # --sft-target-accuracy's stopping set
+from .warmstart import EVAL_SEED, VALIDATION_SEED, VALIDATION_SIZE, warm_start, warmstart_recipe
 
 
 class TrainingStopped(RuntimeError):
@@ -534,48 +531,6 @@ def rollout_generator(
         return draw(0) if group_filter is None else group_filter.fill(draw, num_prompts)
 
     return generate
-
-
-def warmstart_recipe(config: TrainConfig, with_target: bool) -> dict:
-    """What the warm start's cache key holds besides its own arguments (``warmstart.warm_start``):
-    the model and the dataset by content (``content_fingerprint``: an edited file or new weights
-    in the ``--model`` directory are another entry), the weights' dtype, the dataset's columns and
-    system prompt, the held-out set it avoids; with a target, the stopping rule's validation set,
-    decoding length and rewards (the correctness reward decides what counts as right)."""
-    recipe = {
-        "model": TinyModelConfig().__repr__() if config.model is None else content_fingerprint(config.model),
-        "eval": (EVAL_SEED, config.eval_size),
-        "dataset": None if config.dataset is None else content_fingerprint(config.dataset),
-    }
-    if config.dtype != "fp32":  # absent for fp32: the embedded default keeps the key it had
-        recipe["dtype"] = config.dtype
-    if config.dataset is not None:
-        recipe["columns"] = (config.prompt_column, config.answer_column, config.system_prompt)
-    if with_target:
-        recipe["validation"] = (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)
-        if config.dataset is not None:
-            recipe["rewards"] = (
-                config.reward,
-                list(config.reward_weights),
-                config.correctness_reward,
-                config.strict_reward,
-                [reward_source(name) for name in config.reward.split(",")],
-            )
-    return recipe
-
-
-def reward_source(name: str) -> str | None:
-    """The content of a ``module:function`` reward's source file (``content_fingerprint``); None
-    for a built-in reward or a module without a file."""
-    import importlib.util
-
-    module, colon, _ = name.strip().partition(":")
-    try:
-        spec = importlib.util.find_spec(module) if colon else None
-    except (ImportError, ValueError):  # loading the rewards reports a module that cannot be found
-        spec = None
-    origin = getattr(spec, "origin", None)
-    return content_fingerprint(origin) if origin and origin.endswith(".py") else None
 
 
 def build_rollout_source(

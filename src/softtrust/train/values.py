@@ -15,6 +15,7 @@ import types
 import typing
 from pathlib import Path
 
+import torch
 import yaml
 
 
@@ -174,3 +175,37 @@ def load_yaml_mapping(path: str | Path) -> dict:
             f"config: {str(path)!r} must hold a mapping of field: value, got {type(loaded).__name__}"
         )
     return loaded
+
+
+# ---------------------------------------------------------------------- model directory and device
+def check_causal_lm_directory(path: str) -> None:
+    """Fail with a message naming ``model`` unless ``path`` holds a causal LM config and a tokenizer."""
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"model: {path!r} is not a Hugging Face model directory (no config.json)")
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as error:
+        raise ValueError(f"model: cannot read the config in {path!r} ({error})") from error
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model: {path!r} holds a {config.model_type!r} model, which is not a causal LM")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((directory / name).is_file() for name in tokenizer_files):
+        raise ValueError(
+            f"model: {path!r} has no tokenizer files (save the tokenizer with save_pretrained too)"
+        )
+
+
+def known_device(device: str) -> bool:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    return device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+
+
+def resolve_device(device: str) -> torch.device:
+    """The ``torch.device`` of a one-process run: ``auto`` is ``cuda`` when available, else ``cpu``."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

@@ -30,6 +30,10 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from .rollout import encode_prompts
+from .tiny import TinyModelConfig
+
+EVAL_SEED = 1_234_567  # the held-out set does not depend on the training seed
+VALIDATION_SEED, VALIDATION_SIZE = 7_654_321, 256  # --sft-target-accuracy's stopping set
 
 WARMSTART_VERSION = 2  # bump when the warm-start recipe changes (2: the float path in the key)
 
@@ -313,3 +317,45 @@ def _stored(cache_file: Path, default_steps: int) -> tuple[int, float | None]:
         metadata = handle.metadata() or {}
     accuracy = metadata.get("accuracy")
     return int(metadata.get("steps_taken", default_steps)), None if accuracy is None else float(accuracy)
+
+
+def warmstart_recipe(config, with_target: bool) -> dict:
+    """What the warm start's cache key holds besides its own arguments (``warmstart.warm_start``):
+    the model and the dataset by content (``content_fingerprint``: an edited file or new weights
+    in the ``--model`` directory are another entry), the weights' dtype, the dataset's columns and
+    system prompt, the held-out set it avoids; with a target, the stopping rule's validation set,
+    decoding length and rewards (the correctness reward decides what counts as right)."""
+    recipe = {
+        "model": TinyModelConfig().__repr__() if config.model is None else content_fingerprint(config.model),
+        "eval": (EVAL_SEED, config.eval_size),
+        "dataset": None if config.dataset is None else content_fingerprint(config.dataset),
+    }
+    if config.dtype != "fp32":  # absent for fp32: the embedded default keeps the key it had
+        recipe["dtype"] = config.dtype
+    if config.dataset is not None:
+        recipe["columns"] = (config.prompt_column, config.answer_column, config.system_prompt)
+    if with_target:
+        recipe["validation"] = (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)
+        if config.dataset is not None:
+            recipe["rewards"] = (
+                config.reward,
+                list(config.reward_weights),
+                config.correctness_reward,
+                config.strict_reward,
+                [reward_source(name) for name in config.reward.split(",")],
+            )
+    return recipe
+
+
+def reward_source(name: str) -> str | None:
+    """The content of a ``module:function`` reward's source file (``content_fingerprint``); None
+    for a built-in reward or a module without a file."""
+    import importlib.util
+
+    module, colon, _ = name.strip().partition(":")
+    try:
+        spec = importlib.util.find_spec(module) if colon else None
+    except (ImportError, ValueError):  # loading the rewards reports a module that cannot be found
+        spec = None
+    origin = getattr(spec, "origin", None)
+    return content_fingerprint(origin) if origin and origin.endswith(".py") else None
