@@ -63,10 +63,7 @@ from .staleness import (
 from .state import TrainState
 from .tasks import task_and_held_out
 from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from .warmstart import warm_start
-
-EVAL_SEED = 1_234_567  # the held-out set does not depend on the training seed
-VALIDATION_SEED, VALIDATION_SIZE = 7_654_321, 256  # --sft-target-accuracy's stopping set
+from .warmstart import EVAL_SEED, VALIDATION_SEED, VALIDATION_SIZE, warm_start, warmstart_recipe
 
 
 class TrainingStopped(RuntimeError):
@@ -448,20 +445,7 @@ def warm_start_policy(
             lr=config.sft_lr,
             batch_size=config.sft_batch_size,
             seed=config.seed,
-            key_extra={
-                "model": config.model or TinyModelConfig().__repr__(),
-                "eval": (EVAL_SEED, config.eval_size),
-                "dataset": config.dataset,
-                # a generator's options and a chat prompt's system message change the problems
-                **({"task_config": config.task_config} if config.task_config else {}),
-                **({"system_prompt": config.system_prompt} if config.system_prompt is not None else {}),
-                # the stopping rule's validation set and decoding length shape a target-accuracy warm start
-                **(
-                    {"validation": (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)}
-                    if target is not None
-                    else {}
-                ),
-            },
+            key_extra=warmstart_recipe(config, with_target=target is not None),
             cache_dir=config.cache_dir,
             exclude=eval_problems,
             progress=progress if run.writes else None,

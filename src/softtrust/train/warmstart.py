@@ -7,9 +7,11 @@ with the CPU's float path (``ATEN_CPU_CAPABILITY``), so a fixed step count lands
 side of it: the embedded default stops on a validation accuracy target instead.
 
 The result is cached under ``<cache>/warmstart/<hash>.safetensors``, keyed by everything that
-determines it (model size, seed, task, steps, learning rate, batch size, target, and the float
+determines it (the model, seed, task, steps, learning rate, batch size, target, and the float
 path: torch version, CPU kernel set, thread count), written atomically and trained by one
 process at a time (a lock beside the entry: concurrent runs of one seed wait and load it).
+Files enter the key by their content (``content_fingerprint``), never by their path: an edited
+dataset or new weights saved into a ``--model`` directory are another entry.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from .rollout import encode_prompts
+from .tiny import TinyModelConfig
+
+EVAL_SEED = 1_234_567  # the held-out set does not depend on the training seed
+VALIDATION_SEED, VALIDATION_SIZE = 7_654_321, 256  # --sft-target-accuracy's stopping set
 
 WARMSTART_VERSION = 2  # bump when the warm-start recipe changes (2: the float path in the key)
 
@@ -67,6 +73,44 @@ def cache_root(cache_dir: str | None = None) -> Path:
     if os.environ.get("SOFTTRUST_CACHE"):
         return Path(os.environ["SOFTTRUST_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "softtrust"
+
+
+FULL_HASH_BYTES = 8 << 20  # files up to this size are hashed whole
+EDGE_BYTES = 1 << 20  # of a larger file: its size, mtime and a hash of its first and last MiB
+
+
+def file_fingerprint(path: Path) -> str:
+    """A file's content in a few words: ``sha256:<hex>`` of the whole file up to
+    ``FULL_HASH_BYTES``; for a larger one (model weights) its size, modification time and the
+    hash of its first and last ``EDGE_BYTES`` (re-saved weights change the time, an edit the hash)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: handle.read(EDGE_BYTES), b""):
+                digest.update(block)
+            return f"sha256:{digest.hexdigest()}"
+        digest.update(handle.read(EDGE_BYTES))
+        handle.seek(-EDGE_BYTES, os.SEEK_END)
+        digest.update(handle.read(EDGE_BYTES))
+    return f"{size}:{path.stat().st_mtime_ns}:{digest.hexdigest()}"
+
+
+def content_fingerprint(path: str | Path) -> str:
+    """What a warm-start key holds for a file or a directory (a model, a ``save_to_disk``
+    dataset): ``file_fingerprint`` of the file, or a hash over every file under the directory
+    (relative path and fingerprint; hidden ones, such as a download cache, left out)."""
+    path = Path(path)
+    if path.is_file():
+        return file_fingerprint(path)
+    if not path.is_dir():
+        return f"missing:{path}"
+    files = {}
+    for file in sorted(path.rglob("*")):
+        relative = file.relative_to(path)
+        if file.is_file() and not any(part.startswith(".") for part in relative.parts):
+            files[relative.as_posix()] = file_fingerprint(file)
+    return "dir:" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def warmstart_key(**recipe) -> str:
@@ -273,3 +317,49 @@ def _stored(cache_file: Path, default_steps: int) -> tuple[int, float | None]:
         metadata = handle.metadata() or {}
     accuracy = metadata.get("accuracy")
     return int(metadata.get("steps_taken", default_steps)), None if accuracy is None else float(accuracy)
+
+
+def warmstart_recipe(config, with_target: bool) -> dict:
+    """What the warm start's cache key holds besides its own arguments (``warmstart.warm_start``):
+    the model and the dataset by content (``content_fingerprint``: an edited file or new weights
+    in the ``--model`` directory are another entry), the weights' dtype, the dataset's columns and
+    system prompt, the held-out set it avoids; with a target, the stopping rule's validation set,
+    decoding length and rewards (the correctness reward decides what counts as right)."""
+    recipe = {
+        "model": TinyModelConfig().__repr__() if config.model is None else content_fingerprint(config.model),
+        "eval": (EVAL_SEED, config.eval_size),
+        "dataset": None if config.dataset is None else content_fingerprint(config.dataset),
+    }
+    if config.dtype != "fp32":  # absent for fp32: the embedded default keeps the key it had
+        recipe["dtype"] = config.dtype
+    if config.dataset is not None:
+        recipe["columns"] = (config.prompt_column, config.answer_column, config.system_prompt)
+    elif config.system_prompt is not None:  # a chat prompt's system message changes the problems
+        recipe["system_prompt"] = config.system_prompt
+    if config.task_config:  # a generator's options (reasoning-gym) change the problems
+        recipe["task_config"] = config.task_config
+    if with_target:
+        recipe["validation"] = (VALIDATION_SEED, VALIDATION_SIZE, config.effective_max_new_tokens)
+        if config.dataset is not None:
+            recipe["rewards"] = (
+                config.reward,
+                list(config.reward_weights),
+                config.correctness_reward,
+                config.strict_reward,
+                [reward_source(name) for name in config.reward.split(",")],
+            )
+    return recipe
+
+
+def reward_source(name: str) -> str | None:
+    """The content of a ``module:function`` reward's source file (``content_fingerprint``); None
+    for a built-in reward or a module without a file."""
+    import importlib.util
+
+    module, colon, _ = name.strip().partition(":")
+    try:
+        spec = importlib.util.find_spec(module) if colon else None
+    except (ImportError, ValueError):  # loading the rewards reports a module that cannot be found
+        spec = None
+    origin = getattr(spec, "origin", None)
+    return content_fingerprint(origin) if origin and origin.endswith(".py") else None
