@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from softtrust.train.data import problems_from_records, read_records
+from softtrust.train.problem import Problem
 from softtrust.train.rewards import RewardSet, extract_final_answer, math_reward
 from softtrust.train.rollout import RewardScorer, decode_completions, encode_prompts, end_token_ids
-from softtrust.train.tasks import DatasetTask, Problem
+from softtrust.train.tasks import DatasetTask
 from softtrust.train.tiny import build_char_tokenizer
 from softtrust.train.trainer import train
 from test_train import micro_config, write_micro_model

@@ -690,8 +690,8 @@ def test_rewards_are_the_task_reward_of_the_decoded_completions_and_failures_sco
 def test_an_invalid_reward_scores_zero_in_rl_and_counts_as_wrong_in_evaluation(micro_model_dir, value):
     from transformers import AutoModelForCausalLM
 
+    from softtrust.train.problem import Problem
     from softtrust.train.rollout import RewardScorer, greedy_accuracy
-    from softtrust.train.tasks import Problem
 
     class Task:
         def reward(self, completion, answer):

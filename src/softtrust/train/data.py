@@ -1,6 +1,6 @@
 """Datasets for ``--dataset``: JSONL, JSON, CSV, Parquet or a ``datasets.save_to_disk`` directory.
 
-Every record becomes a ``tasks.Problem``: the prompt column (``--prompt-column``, default
+Every record becomes a ``problem.Problem``: the prompt column (``--prompt-column``, default
 ``prompt``) is a non-empty string or a conversation (a non-empty list of ``{"role",
 "content"}`` messages, TRL's conversational format); the answer column (``--answer-column``,
 default ``answer``) a string or a finite number (written as text); every other column is kept

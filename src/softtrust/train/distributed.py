@@ -259,7 +259,9 @@ def wrap_policy(model: torch.nn.Module, world: World) -> torch.nn.Module:
     """
     model.to(world.device)
     if not world.distributed:
-        return model  # one process: the causal LM itself (``policy_logprobs`` calls it plainly)
+        return (
+            model  # one process: the causal LM itself (``scoring.completion_logprobs_of`` calls it plainly)
+        )
     policy = PolicyForward(model)
     if world.fsdp:
         from torch.distributed.fsdp import fully_shard
