@@ -209,13 +209,18 @@ def weights_budget(steps: int) -> float:
     return adam_budget(steps, RUN["lr"], gradient_terms=GRADIENT_TERMS)
 
 
-def assert_same_weights(got: dict, expected: dict, initial: dict, steps: int) -> None:
+def assert_same_weights(
+    got: dict, expected: dict, initial: dict, steps: int, moved_over_budget: float = 100
+) -> None:
     """Equal to ``expected`` within ``weights_budget(steps)``, after training moved the weights
-    about 100x further (Adam moves a weight by ~lr a step; a wrong data split moves it as far)."""
+    ``moved_over_budget`` (100) times further (Adam moves a weight by ~lr a step; a wrong data
+    split moves it as far)."""
     assert got.keys() == expected.keys()
     budget = weights_budget(steps)
     moved = max(float((expected[name] - initial[name]).abs().max()) for name in expected)
-    assert moved > 100 * budget, f"training barely moved the weights ({moved}): the check would be vacuous"
+    assert moved > moved_over_budget * budget, (
+        f"training barely moved the weights ({moved}): the check would be vacuous"
+    )
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=budget, msg=name)
 
@@ -416,6 +421,8 @@ def test_async_lagged_rollouts_on_two_processes_match_one(micro_model_dir, initi
 
 
 # ---------------------------------------------------------------------- dynamic sampling (--filter-groups)
+@pytest.mark.numerics
+@pytest.mark.costly
 def test_filter_groups_on_two_processes_keeps_the_groups_one_process_keeps(
     micro_model_dir, initial_weights, tmp_path
 ):
@@ -433,7 +440,15 @@ def test_filter_groups_on_two_processes_keeps_the_groups_one_process_keeps(
     train(TrainConfig(**run_config(micro_model_dir, tmp_path / "one", **values)))
     torchrun(run_config(micro_model_dir, tmp_path / "two", **values))
 
-    assert_same_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"), initial_weights)
+    # most groups are dropped and cut rows masked, so the weights move ~50x the budget (measured
+    # 52x), not 100x: a wrong split of the kept groups still moves them by the whole step
+    assert_same_weights(
+        final_weights(tmp_path / "two"),
+        final_weights(tmp_path / "one"),
+        initial_weights,
+        steps=4,
+        moved_over_budget=20,
+    )
     keys = ("filter/draws", "filter/groups_dropped", "filter/groups_filled", "reward/mean")
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [[m.get(key) for key in keys] for m in two] == [[m.get(key) for key in keys] for m in one]
