@@ -35,7 +35,7 @@ ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce++", "passk")
 OLD_LOGPROBS = ("recompute", "sampler")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
-# docs/main_job.md: seeds 0-4 under the default, avx2 and avx512 kernels reach it after 260-750
+# docs/main_job.md: seeds 0-4 under the default, avx2 and avx512 kernels reach it after 260-800
 # steps, where a fixed 300 steps gave 1-32 % depending on the kernels), then 512 RL steps
 # (from ~20 % the slowest seed gained 13 points in 256 steps).
 EMBEDDED_SFT_STEPS, DEFAULT_SFT_TARGET = 1000, 0.2
