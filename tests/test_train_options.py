@@ -80,6 +80,63 @@ def test_error_bad_kl_options(micro_model_dir, tmp_path, values, message):
         micro_config(micro_model_dir, tmp_path / "run", **values).validate()
 
 
+# ---------------------------------------------------------------------- entropy: bonus, high-entropy tokens
+def test_entropy_options_train_on_the_main_job_with_the_mini_batchs_threshold(micro_model_dir, tmp_path):
+    """--entropy-quantile 0.5 keeps half of each mini-batch's active tokens, also when the
+    mini-batch runs in micro-batches (one threshold over the whole mini-batch: the same kept
+    fraction and loss as in one piece); --entropy-coef enters the loss; the entropy is logged."""
+    runs = {}
+    for pieces in (0, 3):
+        config = micro_config(
+            micro_model_dir,
+            tmp_path / f"run{pieces}",
+            method="clip",
+            staleness=2,
+            max_new_tokens=5,
+            entropy_quantile=0.5,
+            entropy_coef=0.01,
+            micro_batch_size=pieces,
+        )
+        train(config)
+        runs[pieces] = read_metrics(tmp_path / f"run{pieces}")
+    whole, split = runs[0], runs[3]
+    assert all(m["skipped"] == 0 for m in whole + split)
+    for m in whole + split:  # half of the active tokens (ties aside), each mini-batch
+        assert 0.4 <= m["loss/entropy/kept"] <= 0.6
+        assert 0 < m["loss/entropy/min"] <= m["loss/entropy/mean"] <= m["loss/entropy/max"]
+    # the first step starts from the same weights and rollout: micro-batches change only the rounding
+    # (the kept fraction is the token-weighted mean of the pieces' fractions: float32 rounding)
+    assert split[0]["loss/entropy/kept"] == pytest.approx(whole[0]["loss/entropy/kept"], rel=1e-6)
+    assert split[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-5, abs=1e-7)
+    assert split[0]["loss/entropy/mean"] == pytest.approx(whole[0]["loss/entropy/mean"], rel=1e-6)
+
+
+def test_entropy_is_logged_by_default_and_logging_it_changes_no_number(micro_model_dir, tmp_path):
+    """--log-entropy (default) adds loss/entropy/* and leaves the run bit for bit as it is without."""
+    runs = {}
+    for log in (True, False):
+        train(micro_config(micro_model_dir, tmp_path / str(log), method="clip", staleness=2, log_entropy=log))
+        runs[log] = read_metrics(tmp_path / str(log))
+    assert all("loss/entropy/mean" in m and "loss/entropy/kept" not in m for m in runs[True])
+    assert not any(name.startswith("loss/entropy") for m in runs[False] for name in m)
+    for logged, plain in zip(runs[True], runs[False], strict=True):
+        for name in ("loss", "grad_norm", "loss/ratio/mean", "kl_behaviour"):
+            assert logged[name] == plain[name], name
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"entropy_quantile": 1.5}, "entropy_quantile: must be <= 1"),
+        ({"entropy_quantile": -0.1}, "entropy_quantile: must be >= 0"),
+        ({"entropy_coef": -0.01}, "entropy_coef: must be >= 0"),
+    ],
+)
+def test_error_bad_entropy_options(micro_model_dir, tmp_path, values, message):
+    with pytest.raises(ValueError, match=message):
+        micro_config(micro_model_dir, tmp_path / "run", **values).validate()
+
+
 # ---------------------------------------------------------------------- advantage estimators
 def _lengths_mask(lengths):
     return torch.arange(int(lengths.max())) < lengths[:, None]

@@ -416,8 +416,8 @@ def test_a_correction_without_sampler_logprobs_fails_clearly(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "policy_loss", "field"),
     [
-        ({"top_entropy_quantile": 0.5}, None, "top_entropy_quantile"),
-        ({"entropy_coef": 0.01}, None, "entropy_coef"),
+        ({"top_entropy_quantile": 0.5}, st.PolicyLoss("pspo"), "top_entropy_quantile=0.5 disagrees"),
+        ({}, st.PolicyLoss("pspo", entropy_coef=0.01), "entropy_coef=0.01"),
         ({"use_adaptive_entropy": True}, None, "use_adaptive_entropy"),
         ({"beta": 0.04}, st.PolicyLoss("pspo"), "beta=0.04"),
         ({}, st.PolicyLoss("pspo", kl=st.KL(coef=0.04)), "beta=0.0"),

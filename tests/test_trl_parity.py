@@ -192,10 +192,74 @@ def test_trl_cispo_default_cap_below_one_is_refused():
         from_trl_config(config)
 
 
-def test_trl_entropy_masking_is_refused():
-    config = types.SimpleNamespace(loss_type="dapo", top_entropy_quantile=0.2)
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
-        from_trl_config(config)
+@pytest.mark.parametrize(("quantile", "coef"), [(0.4, 0.0), (1.0, 0.05), (0.3, 0.05), (0.0, 0.02)])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "vespo", "dr_grpo"])
+def test_adapter_entropy_quantile_and_bonus_match_trl(tmp_path, loss_type, quantile, coef):
+    """SoftTrustGRPOTrainer._compute_loss against TRL's with top_entropy_quantile and
+    entropy_coef, on the same crafted inputs and entropies (float32 values, as TRL's forward
+    returns them: its quantile runs in float32)."""
+    from softtrust.integrations.trl import SoftTrustGRPOTrainer
+
+    config = dict(
+        loss_type=loss_type,
+        top_entropy_quantile=quantile,
+        entropy_coef=coef,
+        gradient_accumulation_steps=GA,
+        steps_per_generation=SPG,
+    )
+    theirs = make_trl_trainer(tmp_path / "trl", **config)
+    ours = make_trl_trainer(tmp_path / "softtrust", trainer_class=SoftTrustGRPOTrainer, **config)
+    assert ours.policy_loss.entropy_quantile == quantile
+    for seed in range(2):
+        logprobs, old, _, _, advantages, mask = crafted(seed)
+        gen = torch.Generator().manual_seed(100 + seed)
+        entropies = (2 * torch.rand(B, T, generator=gen)).double()  # [B, T], float32 values
+        call = dict(num_items_in_batch=mask.sum() * SPG, entropies=entropies)
+        expected_loss, expected_grad = trl_loss_and_grad(theirs, logprobs, old, advantages, mask, **call)
+        loss, grad = trl_loss_and_grad(ours, logprobs, old, advantages, mask, **call)
+        assert loss.item() == pytest.approx(expected_loss.item(), abs=F64_PARITY, rel=F64_PARITY)
+        torch.testing.assert_close(grad, expected_grad, atol=F64_PARITY, rtol=F64_PARITY)
+        # the settings change the loss (zero entropies: every token kept, no bonus)
+        plain_loss, plain_grad = trl_loss_and_grad(ours, logprobs, old, advantages, mask, entropies=None)
+        assert abs(plain_loss.item() - loss.item()) > 1e-6 or not torch.allclose(plain_grad, grad)
+
+
+def test_adapter_refuses_entropy_settings_it_would_change(tmp_path):
+    from softtrust.integrations.trl import check_supported
+
+    config = types.SimpleNamespace(
+        top_entropy_quantile=0.5, entropy_coef=0.0, use_adaptive_entropy=False, beta=0.0
+    )
+    with pytest.raises(
+        ValueError, match=r"top_entropy_quantile=0.5 disagrees with the PolicyLoss's entropy_quantile=1.0"
+    ):
+        check_supported(config, st.PolicyLoss("clip"))
+    with pytest.raises(
+        ValueError,
+        match=r"the PolicyLoss's entropy_coef=0.1: inside TRL the bonus is GRPOConfig.entropy_coef",
+    ):
+        check_supported(config, st.PolicyLoss("clip", entropy_quantile=0.5, entropy_coef=0.1))
+    adaptive = types.SimpleNamespace(**{**vars(config), "use_adaptive_entropy": True})
+    with pytest.raises(ValueError, match="use_adaptive_entropy=True"):
+        check_supported(adaptive, st.PolicyLoss("clip", entropy_quantile=0.5))
+
+
+def test_trl_entropy_bonus_gradient_is_the_kept_token_mean():
+    """trl_entropy_terms' bonus: c · Σ H m' / Σ m' / GA, so d bonus / d H = c m' / (Σ m' · GA)."""
+    from softtrust.integrations.trl_config import trl_entropy_terms
+
+    _, _, _, _, _, mask = crafted(3)
+    entropies = (
+        (2 * torch.rand(B, T, generator=torch.Generator().manual_seed(3))).double().requires_grad_(True)
+    )
+    loss_fn = st.PolicyLoss("clip", entropy_quantile=0.5)
+    config = types.SimpleNamespace(entropy_coef=0.07)
+    state, bonus = trl_entropy_terms(config, loss_fn, entropies, mask, 2)
+    active = entropies.detach()[mask.bool()]
+    kept = mask.bool() & (entropies.detach() >= torch.quantile(active.float(), 0.5))
+    (grad,) = torch.autograd.grad(bonus, entropies)
+    torch.testing.assert_close(grad, 0.07 * kept.double() / (kept.sum() * 2), rtol=1e-12, atol=0)
+    assert state["entropy/threshold"] == torch.quantile(active.float(), 0.5)
 
 
 def test_trl_epsilon_high_zero_is_an_upper_clip_of_zero_not_epsilon():

@@ -61,12 +61,14 @@ def _constant_reward(completions, **kwargs) -> list[float]:
     return [0.0 for _ in completions]
 
 
-def make_trl_trainer(output_dir: str | os.PathLike, **config_overrides: Any):
+def make_trl_trainer(output_dir: str | os.PathLike, trainer_class: Any = None, **config_overrides: Any):
     """Build a real ``trl.GRPOTrainer`` on the tiny local model, offline and on CPU.
 
     Args:
         output_dir: Where the ``GRPOConfig`` points ``output_dir`` (nothing is written
             there unless ``beta != 0``, see below). Use a pytest ``tmp_path``.
+        trainer_class: ``trl.GRPOTrainer`` (default) or a subclass built the same way
+            (``SoftTrustGRPOTrainer``: its ``_compute_loss`` then runs on the same inputs).
         **config_overrides: Extra ``trl.GRPOConfig`` fields, overriding the CPU defaults
             (``per_device_train_batch_size=4``, ``num_generations=2``,
             ``max_completion_length=8``, ``use_cpu=True``, bf16/fp16 and gradient
@@ -101,7 +103,7 @@ def make_trl_trainer(output_dir: str | os.PathLike, **config_overrides: Any):
         model.config._name_or_path = policy_dir
 
     dataset = Dataset.from_dict({"prompt": list(_PROMPTS)})
-    return GRPOTrainer(
+    return (trainer_class or GRPOTrainer)(
         model=model,
         reward_funcs=_constant_reward,
         args=args,

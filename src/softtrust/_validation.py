@@ -170,3 +170,64 @@ def as_float(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the math runs in: float64 stays float64, every other float runs in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _UpcastSaturatingGrad(torch.autograd.Function):
+    """``x.to(dtype)`` whose backward saturates the gradient at the input dtype's largest finite value.
+
+    The math runs in float32, where a far off-policy ratio (up to e^20) gives a
+    large but finite gradient; cast back to a float16 input it would overflow to
+    inf. Saturating keeps the gradient finite and its sign intact.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.input_dtype = x.dtype
+        return x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        largest = torch.finfo(ctx.input_dtype).max
+        return grad.clamp(-largest, largest).to(ctx.input_dtype), None
+
+
+def detached_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.detach().to(dtype)``, skipping the calls that would change nothing (each costs µs per call)."""
+    if x.requires_grad:
+        x = x.detach()
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` whose gradient saturates at ``x``'s dtype (see ``_UpcastSaturatingGrad``)."""
+    if x.dtype == dtype:
+        return x
+    if torch.finfo(x.dtype).max >= torch.finfo(dtype).max:
+        return x.to(dtype)
+    return _UpcastSaturatingGrad.apply(x, dtype)
+
+
+def check_kl_coef(kl_coef: object, kl: object) -> None:
+    """Raise unless ``kl_coef`` is a number >= 0 or a 0-dim float tensor, and ``kl`` (a KL term) is set."""
+    if kl is None:
+        raise ValueError(f"kl_coef={kl_coef!r} needs a KL term (PolicyLoss(kl=st.KL(...))), got kl=None")
+    if isinstance(kl_coef, torch.Tensor):
+        if kl_coef.dim() != 0 or not kl_coef.is_floating_point():
+            raise ValueError(
+                f"kl_coef must be a number or a 0-dim float tensor, got shape {tuple(kl_coef.shape)}"
+            )
+    else:
+        check_number("kl_coef", kl_coef, low=0.0)
+
+
+def check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tensor:
+    """Raise unless ``advantages`` is a float tensor of shape (B,) or (B, T); return it."""
+    if not isinstance(advantages, torch.Tensor):
+        raise ValueError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if not advantages.is_floating_point():
+        raise ValueError(f"advantages must be a floating-point tensor, got dtype {advantages.dtype}")
+    if tuple(advantages.shape) not in ((shape[0],), shape):
+        raise ValueError(
+            f"advantages must have shape (B,) = ({shape[0]},) or (B, T) = {shape}, got {tuple(advantages.shape)}"
+        )
+    return advantages

@@ -6,7 +6,7 @@ Data flows one way, and :meth:`PolicyLoss.__call__` reads in that order::
            -> token log-ratio -> level log-ratio                  (ratios)
            -> behaviour correction: folded into the ratio or a weight on ℓ   (corrections)
            -> method: per-token loss ℓ                            (methods)
-           -> × correction weight, + β·KL                          (kl)
+           -> × high-entropy keep, × correction weight, + β·KL, − c·H   (entropy, kl)
            -> aggregate -> scalar; metrics as tensors             (aggregation, metrics)
 
 No step reads a tensor's value on the host or branches on one, so a call never waits
@@ -24,14 +24,19 @@ import torch
 
 from softtrust._validation import (
     as_float,
+    check_advantages,
     check_choice,
     check_count,
+    check_finite_where_active,
     check_float_tensor,
     check_input_values,
+    check_kl_coef,
     check_mask,
     check_number,
     check_shape,
     compute_dtype,
+    detached_as,
+    upcast_saturating_grad,
     values_are_checked,
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate
@@ -47,6 +52,7 @@ from softtrust.corrections import (
     rollout_log_ratio,
     self_normalized,
 )
+from softtrust.entropy import ENTROPY_THRESHOLD, entropy_threshold, high_entropy_mask
 from softtrust.kl import KL, kl_estimate
 from softtrust.methods import DetachedWeightMethod, LossContext, Method, make_method
 from softtrust.metrics import loss_metrics
@@ -94,6 +100,16 @@ class PolicyLoss:
         kl: None or :class:`~softtrust.kl.KL`; needs ``ref_logprobs``.
         log_ratio_clamp: bound on every log-ratio before ``exp`` (default 20).
         max_completion_length: ``T_max`` for ``seq-mean-token-sum-norm`` (default: the batch's T).
+        entropy_coef: c >= 0, an entropy bonus: ``-c·H_t`` is added to the per-token loss
+            (on the kept tokens when ``entropy_quantile < 1``) and aggregated with it, so
+            its gradient raises the policy's entropy. Needs ``entropy=`` in the call. (TRL's
+            ``entropy_coef`` always takes the token mean of H over the kept tokens,
+            whatever the aggregation; :mod:`softtrust.integrations.trl` applies that.)
+        entropy_quantile: ρ in [0, 1]: keep the policy loss only on the fraction ρ of active
+            tokens with the highest entropy (H_t >= the (1 - ρ)-quantile of the batch's
+            active entropies; "Beyond the 80/20 rule", Wang et al., arXiv:2506.01939; TRL's
+            ``top_entropy_quantile``); 1 keeps every token. The KL term is not masked. The
+            threshold is a statistic of the whole batch (:meth:`batch_state`). Needs ``entropy=``.
         compute_metrics: set False to skip the metrics (saves a few reductions).
         check_values: check input values (mask is 0/1; old, rollout and reference log-probs
             and advantages finite at active positions; counts > 0), raising ``ValueError``.
@@ -117,6 +133,8 @@ class PolicyLoss:
         *,
         log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP,
         max_completion_length: int | None = None,
+        entropy_coef: float = 0.0,
+        entropy_quantile: float = 1.0,
         compute_metrics: bool = True,
         check_values: bool | None = None,
         **method_params: object,
@@ -144,6 +162,9 @@ class PolicyLoss:
         if max_completion_length is not None:
             check_number("max_completion_length", max_completion_length, low=1)
         self.max_completion_length = max_completion_length
+        check_number("entropy_coef", entropy_coef, low=0.0)
+        check_number("entropy_quantile", entropy_quantile, low=0.0, high=1.0)
+        self.entropy_coef, self.entropy_quantile = float(entropy_coef), float(entropy_quantile)
         self.compute_metrics = bool(compute_metrics)
         if check_values is not None and not isinstance(check_values, bool):
             raise ValueError(f"check_values must be None, True or False, got {check_values!r}")
@@ -171,10 +192,21 @@ class PolicyLoss:
     @property
     def uses_batch_state(self) -> bool:
         """True when part of the loss is a statistic of the whole mini-batch: a method that
-        selects over it (:attr:`selects_over_batch`) or a self-normalised IS correction (its
-        batch mean). A trainer that splits the mini-batch (micro-batches, ranks) computes
-        :meth:`batch_state` once over the whole and passes it as ``state=`` to every call."""
-        return self._has_batch_state or self._self_normalizes
+        selects over it (:attr:`selects_over_batch`), a self-normalised IS correction (its
+        batch mean) or the high-entropy selection (its threshold). A trainer that splits the
+        mini-batch (micro-batches, ranks) computes :meth:`batch_state` once over the whole and
+        passes it as ``state=`` to every call."""
+        return self._has_batch_state or self._self_normalizes or self.selects_by_entropy
+
+    @property
+    def selects_by_entropy(self) -> bool:
+        """True when ``entropy_quantile < 1``: the loss keeps the top-entropy tokens only."""
+        return self.entropy_quantile < 1.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """True when a call needs ``entropy=`` (an entropy bonus or the high-entropy selection)."""
+        return self.entropy_coef > 0.0 or self.selects_by_entropy
 
     def __call__(
         self,
@@ -190,6 +222,7 @@ class PolicyLoss:
         state: dict[str, torch.Tensor] | None = None,
         generator: torch.Generator | None = None,
         kl_coef: float | torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> LossOutput:
         """Compute the loss.
 
@@ -208,13 +241,17 @@ class PolicyLoss:
             generator: random generator for methods that draw.
             kl_coef: β for this call instead of ``kl.coef`` (an adaptive controller's,
                 :class:`~softtrust.kl.AdaptiveKLController`), >= 0; needs ``kl``.
+            entropy: [B, T] per-token entropy of π_θ (``completion_logprobs(...,
+                with_entropy=True)``), differentiable for the bonus; needed by
+                ``entropy_coef`` / ``entropy_quantile``, else only reported
+                (``entropy/mean``). Masked positions may hold anything.
 
         Returns:
             :class:`LossOutput`. The math runs in float32 (float64 stays float64). An
             empty batch (B = 0 or T = 0, or no active token) gives loss 0 and gradient 0.
         """
         if kl_coef is not None:
-            _check_kl_coef(kl_coef, self.kl)
+            check_kl_coef(kl_coef, self.kl)
         batch = self._inputs(
             logprobs,
             old_logprobs,
@@ -225,6 +262,7 @@ class PolicyLoss:
             num_tokens,
             num_sequences,
         )
+        entropy = self._entropy(entropy, batch)  # [B, T] in the compute dtype, 0 at masked positions
         given = {} if state is None else state
         batch, is_mean = self._normalized_is(batch, given)
         ctx, loss_weight, stats = self._context(batch, generator)
@@ -235,6 +273,9 @@ class PolicyLoss:
         if method_state:
             ctx = ctx._replace(state=method_state)
         per_token_loss, method_stats = self.method.loss(ctx)  # broadcastable to [B, T]
+        keep, bonus = self._entropy_terms(entropy, ctx.mask, given, stats)  # None, None without entropy
+        if keep is not None:  # the top-ρ entropy tokens only
+            per_token_loss = per_token_loss * keep
         if loss_weight is not None:  # IS weight (unless folded) × OPSM keep × Reject keep; detached
             per_token_loss = per_token_loss * loss_weight
         per_token_kl = None
@@ -245,6 +286,8 @@ class PolicyLoss:
                 per_token_kl = per_token_kl * (ratio.detach() if self.kl.straight_through else ratio)
             coef = self.kl.coef if kl_coef is None else kl_coef
             per_token_loss = per_token_loss + coef * per_token_kl  # [B, T]
+        if bonus is not None:  # c·H on the kept tokens
+            per_token_loss = per_token_loss - bonus
         loss = aggregate(
             per_token_loss,
             ctx.mask,
@@ -280,10 +323,13 @@ class PolicyLoss:
         num_sequences: float | torch.Tensor | None = None,
         *,
         generator: torch.Generator | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The loss's batch-wide quantities, detached: the method's
-        (:meth:`~softtrust.methods.Method.batch_state`) and a self-normalised IS correction's
-        mean (``"is_weight/batch_mean"``, :func:`~softtrust.corrections.is_weight_mean`).
+        (:meth:`~softtrust.methods.Method.batch_state`), a self-normalised IS correction's
+        mean (``"is_weight/batch_mean"``, :func:`~softtrust.corrections.is_weight_mean`) and
+        the high-entropy selection's threshold (``"entropy/threshold"``,
+        :func:`~softtrust.entropy.entropy_threshold`; needs ``entropy``).
 
         Call it once on the whole (global) batch, then pass ``state=`` to each
         micro-batch call: the micro-batch losses then add up to the whole-batch loss.
@@ -295,6 +341,9 @@ class PolicyLoss:
             )
             batch, is_mean = self._normalized_is(batch, {})
             state = {} if is_mean is None else {IS_WEIGHT_MEAN: is_mean}
+            if self.selects_by_entropy:
+                entropy = self._entropy(entropy, batch)
+                state[ENTROPY_THRESHOLD] = entropy_threshold(entropy, batch.mask, self.entropy_quantile)
             if self._has_batch_state:
                 state.update(self.method.batch_state(self._context(batch, generator)[0]))
             return state
@@ -308,6 +357,46 @@ class PolicyLoss:
         if mean is None:
             mean = is_weight_mean(batch.is_log_weight, self.is_correction.level, batch.mask, batch.num_active)
         return batch._replace(is_log_weight=self_normalized(batch.is_log_weight, mean)), mean
+
+    def _entropy(self, entropy: torch.Tensor | None, batch: _Batch) -> torch.Tensor | None:
+        """``entropy`` checked, in the compute dtype (gradient kept) and 0 at masked positions;
+        a ``ValueError`` naming it when the loss needs it and it is absent, of another shape
+        than ``logprobs``, not floating-point, or (values checked) not finite where active."""
+        if entropy is None:
+            if self.needs_entropy:
+                raise ValueError(
+                    f"entropy_coef={self.entropy_coef}, entropy_quantile={self.entropy_quantile} need entropy= "
+                    "(the [B, T] per-token entropy, completion_logprobs(..., with_entropy=True)), got None"
+                )
+            return None
+        check_float_tensor("entropy", entropy)
+        check_shape("entropy", entropy, tuple(batch.logprobs.shape), "(B, T) like logprobs")
+        active = batch.mask > 0  # [B, T]
+        if values_are_checked(self.check_values, entropy.is_cpu):
+            check_finite_where_active("entropy", entropy.detach(), active)
+        entropy = upcast_saturating_grad(entropy, batch.mask.dtype)
+        return torch.where(active, entropy, 0)  # a masked NaN never reaches the loss or its gradient
+
+    def _entropy_terms(
+        self, entropy: torch.Tensor | None, mask: torch.Tensor, given: dict, stats: dict
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keep, bonus)``: the ``[B, T]`` 0/1 high-entropy selection (None unless
+        ``entropy_quantile < 1``; its threshold ``given``'s, the global batch's, or this batch's)
+        and the ``[B, T]`` bonus ``c·keep·H`` (None unless ``entropy_coef > 0``). Records the
+        entropy and the kept fraction in ``stats`` (metrics ``entropy/*``)."""
+        if entropy is None:
+            return None, None
+        stats["entropy"] = entropy.detach()  # entropy/mean, /min, /max over the active tokens
+        keep = bonus = None
+        if self.selects_by_entropy:
+            threshold = given.get(ENTROPY_THRESHOLD)
+            if threshold is None:
+                threshold = entropy_threshold(entropy, mask, self.entropy_quantile)
+            keep = high_entropy_mask(entropy, mask, threshold).to(entropy.dtype)  # [B, T] 0/1
+            stats["entropy/kept"] = keep > 0  # the fraction of active tokens kept
+        if self.entropy_coef > 0.0:
+            bonus = self.entropy_coef * (entropy if keep is None else entropy * keep)  # [B, T]
+        return keep, bonus
 
     def _context(self, batch: _Batch, generator: torch.Generator | None):
         """Ratios at the level, the behaviour correction, and the method's context.
@@ -374,7 +463,7 @@ class PolicyLoss:
             raise ValueError(
                 f"kl={self.kl!r} needs ref_logprobs (the reference policy's log-probs), got None"
             )
-        _check_advantages(advantages, shape)
+        check_advantages(advantages, shape)
         for name, count in counts.items():
             check_count(name, count, False)  # its value is read with the other values, if at all
 
@@ -429,9 +518,9 @@ class PolicyLoss:
         dtype = compute_dtype(logprobs)
         mask_f = as_float(mask if mask.dtype == torch.bool else mask != 0, dtype)  # [B, T] 0/1
         num_active = mask_f.sum(dim=-1, keepdim=True)  # [B, 1]
-        logprobs = _upcast_saturating_grad(logprobs, dtype)  # [B, T], differentiable
-        old, rollout, ref = (None if x is None else _detached(x, dtype) for x in recorded.values())
-        advantages = _detached(advantages, dtype)
+        logprobs = upcast_saturating_grad(logprobs, dtype)  # [B, T], differentiable
+        old, rollout, ref = (None if x is None else detached_as(x, dtype) for x in recorded.values())
+        advantages = detached_as(advantages, dtype)
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1)  # [B, 1]
         raw_log_ratio = (logprobs if self._ratio_in_graph else logprobs.detach()) - old  # [B, T]
@@ -482,7 +571,7 @@ class PolicyLoss:
 
 
 # keys of ``state`` that belong to the loss's own parts, not to the method
-_LOSS_STATE_KEYS = (IS_WEIGHT_MEAN,)
+_LOSS_STATE_KEYS = (IS_WEIGHT_MEAN, ENTROPY_THRESHOLD)
 
 
 class _Batch(NamedTuple):
@@ -506,61 +595,3 @@ def _count(given: float | torch.Tensor | None, default: int) -> float | torch.Te
     if given is None:
         return float(max(default, 1))
     return given.reshape(()).clamp(min=1) if isinstance(given, torch.Tensor) else max(float(given), 1.0)
-
-
-class _UpcastSaturatingGrad(torch.autograd.Function):
-    """``x.to(dtype)`` whose backward saturates the gradient at the input dtype's largest finite value.
-
-    The math runs in float32, where a far off-policy ratio (up to e^20) gives a
-    large but finite gradient; cast back to a float16 input it would overflow to
-    inf. Saturating keeps the gradient finite and its sign intact.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.input_dtype = x.dtype
-        return x.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        largest = torch.finfo(ctx.input_dtype).max
-        return grad.clamp(-largest, largest).to(ctx.input_dtype), None
-
-
-def _detached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.detach().to(dtype)``, skipping the calls that would change nothing (each costs µs per call)."""
-    if x.requires_grad:
-        x = x.detach()
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def _upcast_saturating_grad(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if x.dtype == dtype:
-        return x
-    if torch.finfo(x.dtype).max >= torch.finfo(dtype).max:
-        return x.to(dtype)
-    return _UpcastSaturatingGrad.apply(x, dtype)
-
-
-def _check_kl_coef(kl_coef: object, kl: KL | None) -> None:
-    if kl is None:
-        raise ValueError(f"kl_coef={kl_coef!r} needs a KL term (PolicyLoss(kl=st.KL(...))), got kl=None")
-    if isinstance(kl_coef, torch.Tensor):
-        if kl_coef.dim() != 0 or not kl_coef.is_floating_point():
-            raise ValueError(
-                f"kl_coef must be a number or a 0-dim float tensor, got shape {tuple(kl_coef.shape)}"
-            )
-    else:
-        check_number("kl_coef", kl_coef, low=0.0)
-
-
-def _check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tensor:
-    if not isinstance(advantages, torch.Tensor):
-        raise ValueError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
-    if not advantages.is_floating_point():
-        raise ValueError(f"advantages must be a floating-point tensor, got dtype {advantages.dtype}")
-    if tuple(advantages.shape) not in ((shape[0],), shape):
-        raise ValueError(
-            f"advantages must have shape (B,) = ({shape[0]},) or (B, T) = {shape}, got {tuple(advantages.shape)}"
-        )
-    return advantages

@@ -11,6 +11,8 @@ never waits for the device and compiles whole. The caller decides when to read t
 | ``ess`` | active sequences | normalised effective sample size of ``W_i``: ``(Σ W)² / (n·Σ W²)`` |
 | ``is_weight/{mean,min,max}`` | as its level | the behaviour correction's weight |
 | ``kl`` | active tokens | the KL estimate's mean |
+| ``entropy/{mean,min,max}`` | active tokens | the policy's entropy, when the call gets ``entropy=`` |
+| ``entropy/kept`` | active tokens | the fraction ``entropy_quantile`` keeps |
 | method stats | as their shape | bool: the fraction where it holds (``clip/high``); float: mean/min/max (``phi``) |
 
 A statistic over an empty set is NaN.

@@ -29,9 +29,13 @@ What the override takes from TRL, per micro-batch (``inputs`` of TRL's ``_comput
 
 The KL term lives in the PolicyLoss; TRL computes reference log-probs only when
 ``beta != 0``, so the PolicyLoss's ``kl.coef`` must equal ``args.beta`` (no KL when
-``beta == 0``): a mismatch is refused, not silently mapped. Settings whose effect the
-override would drop (entropy masking and bonus, an ``off_policy_mask_threshold`` or a
-vLLM importance correction the PolicyLoss does not carry) are refused in ``__init__``
+``beta == 0``): a mismatch is refused, not silently mapped. TRL's entropy settings run as
+TRL runs them (:func:`~softtrust.integrations.trl_config.trl_entropy_terms`):
+``top_entropy_quantile`` is the PolicyLoss's ``entropy_quantile`` with TRL's threshold (this
+call's active entropies, gathered over processes), and ``entropy_coef`` TRL's bonus (the
+token mean of H over the kept tokens, divided by the accumulation steps). Settings whose
+effect the override would drop (adaptive entropy control, an ``off_policy_mask_threshold``
+or a vLLM importance correction the PolicyLoss does not carry) are refused in ``__init__``
 with a ``ValueError`` naming the field (:func:`check_supported`).
 """
 
@@ -54,7 +58,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from softtrust._metrics import reduction_of
-from softtrust.integrations.trl_config import from_trl_config, trl_normalisers
+from softtrust.integrations.trl_config import from_trl_config, trl_entropy_terms, trl_normalisers
 from softtrust.loss import LossOutput, PolicyLoss
 
 SUPPORTED_TRL_VERSIONS = ("1.16.0",)
@@ -154,8 +158,9 @@ def check_supported(config: Any, policy_loss: PolicyLoss) -> None:
     """Refuse, before training, a ``GRPOConfig`` setting the override would silently drop.
 
     Raises:
-        ValueError: naming the field, for: entropy masking (``top_entropy_quantile < 1``);
-            an entropy bonus (``entropy_coef != 0`` or ``use_adaptive_entropy``); a KL that
+        ValueError: naming the field, for: a ``top_entropy_quantile`` other than the
+            PolicyLoss's ``entropy_quantile``; a PolicyLoss ``entropy_coef`` (TRL's bonus is
+            ``GRPOConfig.entropy_coef``); adaptive entropy control (``use_adaptive_entropy``); a KL that
             disagrees with ``beta``; an ``off_policy_mask_threshold`` without the same
             ``OPSM`` in the PolicyLoss; a vLLM importance correction
             (``use_vllm`` and ``vllm_importance_sampling_correction``) without a TIS/MIS in
@@ -164,16 +169,20 @@ def check_supported(config: Any, policy_loss: PolicyLoss) -> None:
     """
     if not isinstance(policy_loss, PolicyLoss):
         raise ValueError(f"policy_loss must be a softtrust.PolicyLoss, got {type(policy_loss).__name__}")
-    if config.top_entropy_quantile < 1.0:
+    if config.top_entropy_quantile != policy_loss.entropy_quantile:
         raise ValueError(
-            f"top_entropy_quantile={config.top_entropy_quantile!r} (entropy masking) is not supported by "
-            "SoftTrustGRPOTrainer; set it to 1.0"
+            f"top_entropy_quantile={config.top_entropy_quantile!r} disagrees with the PolicyLoss's "
+            f"entropy_quantile={policy_loss.entropy_quantile!r}; give both the same value"
         )
-    if config.entropy_coef != 0.0 or config.use_adaptive_entropy:
+    if policy_loss.entropy_coef != 0.0:
         raise ValueError(
-            f"entropy_coef={config.entropy_coef!r}, use_adaptive_entropy={config.use_adaptive_entropy!r}: the "
-            "entropy bonus is not supported by SoftTrustGRPOTrainer; set entropy_coef=0.0 and "
-            "use_adaptive_entropy=False"
+            f"the PolicyLoss's entropy_coef={policy_loss.entropy_coef!r}: inside TRL the bonus is "
+            "GRPOConfig.entropy_coef, applied as TRL applies it; set it there and entropy_coef=0.0 in the PolicyLoss"
+        )
+    if config.use_adaptive_entropy:
+        raise ValueError(
+            "use_adaptive_entropy=True (Skywork-OR1's adaptive entropy control) is not supported by "
+            "SoftTrustGRPOTrainer; set use_adaptive_entropy=False (a fixed entropy_coef is supported)"
         )
     kl, beta = policy_loss.kl, config.beta
     if (kl is None and beta != 0.0) or (kl is not None and kl.coef != beta):
@@ -256,6 +265,14 @@ class SoftTrustGRPOTrainer(trl.GRPOTrainer):
         )  # [B, T], [B, T], scalar or None
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        state, bonus = trl_entropy_terms(
+            self.args,
+            self.policy_loss,
+            entropies,
+            mask,
+            accumulation,
+            self._gathered_entropies(entropies, mask),
+        )
         out = self.policy_loss(
             logprobs,
             inputs.get("old_per_token_logps"),
@@ -263,6 +280,8 @@ class SoftTrustGRPOTrainer(trl.GRPOTrainer):
             mask,
             rollout_logprobs=self._rollout_logprobs(inputs, logprobs),
             ref_logprobs=inputs.get("ref_per_token_logps") if self.policy_loss.kl is not None else None,
+            state=state,
+            entropy=entropies if self.policy_loss.needs_entropy else None,
             **micro_batch_normalisers(
                 self.args,
                 self.policy_loss.aggregation,
@@ -273,13 +292,23 @@ class SoftTrustGRPOTrainer(trl.GRPOTrainer):
                 train=mode == "train",
             ),
         )
-        loss = out.loss
+        loss = out.loss - bonus  # TRL's entropy bonus (0 without entropy_coef)
         if self.aux_loss_enabled:  # MoE load balancing, scaled for accumulation as TRL does
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             gathered_aux_loss = self.accelerator.gather_for_metrics(aux_loss)  # [ranks]
             self._metrics[mode]["aux_loss"].append(gathered_aux_loss.mean().item())
         self._log_softtrust_metrics(mode, out, entropies, mask)
         return loss
+
+    def _gathered_entropies(self, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Every process's active entropies (1-D), for TRL's ``top_entropy_quantile`` threshold;
+        None when it is 1 or in one process (the call's own are used)."""
+        if not self.policy_loss.selects_by_entropy or self.accelerator.num_processes == 1:
+            return None
+        local = entropies.detach()[mask.bool()].float()  # [n_local]
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=math.nan)
+        gathered = self.accelerator.gather(padded)  # [P · max n]
+        return gathered[~torch.isnan(gathered)]
 
     def _rollout_logprobs(self, inputs: dict[str, Any], logprobs: torch.Tensor) -> torch.Tensor | None:
         """vLLM's log-probs when the PolicyLoss reads them (TIS/MIS need them; OPSM prefers them)."""

@@ -356,6 +356,8 @@ class SoftTrustAsyncGRPOTrainer(AsyncGRPOTrainer):
             to_segments(row.advantages, layout),  # [S, L]
             terms & fresh[:, None],  # [S, L]
             rollout_logprobs=rollout,
+            # an entropy bonus / quantile: this rank's packed micro-batch's entropies (its threshold too)
+            entropy=to_segments(entropy, layout) if self.policy_loss.needs_entropy else None,
             **async_normalisers(self.policy_loss.aggregation, inputs, accumulation, processes),
         )
         loss = out.loss

@@ -18,7 +18,9 @@ sequence ratio is the geometric mean); VESPO always uses its own sequence-sum.
 ``epsilon_high=None`` means ``epsilon`` (only ``None``: ``epsilon_high=0.0`` is 0, as in TRL). TRL's ``cispo`` reads ``epsilon_high`` as the
 raw cap on the ratio. The vLLM importance-sampling correction maps to ``TIS``
 (``*_truncate``) or ``MIS`` (``*_mask``) at token or sequence level;
-``off_policy_mask_threshold`` to ``OPSM``; ``beta`` to ``KL(coef=beta, "k3")``.
+``off_policy_mask_threshold`` to ``OPSM``; ``beta`` to ``KL(coef=beta, "k3")``;
+``top_entropy_quantile`` to ``entropy_quantile`` and ``entropy_coef`` to TRL's own bonus
+(:func:`trl_entropy_terms`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from softtrust.corrections import MIS, OPSM, TIS
+from softtrust.entropy import ENTROPY_THRESHOLD, entropy_threshold, high_entropy_mask
 from softtrust.kl import KL
 from softtrust.loss import PolicyLoss
 from softtrust.methods import CISPO, SAPO, VESPO, Clip
@@ -58,10 +61,14 @@ def from_trl_config(config: Any) -> PolicyLoss:
 
     Returns:
         A PolicyLoss. Its normalisers per micro-batch come from :func:`trl_normalisers`.
+        ``top_entropy_quantile`` becomes ``entropy_quantile`` (the loss then needs
+        ``entropy=`` and, for TRL's threshold, ``state=`` from :func:`trl_entropy_terms`);
+        TRL's ``entropy_coef`` is not part of it: TRL adds its bonus outside the loss's
+        normaliser, and :func:`trl_entropy_terms` computes it as TRL does.
 
     Raises:
         ValueError: for settings softtrust cannot reproduce exactly, naming the field:
-            an unknown ``loss_type``; ``top_entropy_quantile < 1`` (entropy masking);
+            an unknown ``loss_type``;
             TRL's ``cispo`` with a cap ``epsilon_high < 1`` (it clips on-policy samples);
             ``use_bias_correction_kl`` with a sequence-level ratio and ``beta != 0``;
             a VESPO rollout correction at sequence level (TRL refuses it too);
@@ -73,12 +80,6 @@ def from_trl_config(config: Any) -> PolicyLoss:
     level_name = _get(config, "importance_sampling_level", "token")
     if level_name not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level_name!r}")
-    top_entropy_quantile = _get(config, "top_entropy_quantile", 1.0)
-    if top_entropy_quantile < 1.0:
-        raise ValueError(
-            f"top_entropy_quantile={top_entropy_quantile!r} (entropy masking) has no softtrust equivalent; "
-            "set it to 1.0"
-        )
     epsilon = _get(config, "epsilon", 0.2)
     epsilon_high = _get(config, "epsilon_high")
     if epsilon_high is None:  # TRL: `epsilon_high if not None else epsilon` (0.0 is a value, kept)
@@ -133,6 +134,7 @@ def from_trl_config(config: Any) -> PolicyLoss:
         aggregation=_AGGREGATION[loss_type],
         kl=kl,
         max_completion_length=_get(config, "max_completion_length") if loss_type == "dr_grpo" else None,
+        entropy_quantile=_get(config, "top_entropy_quantile", 1.0),
     )
 
 
@@ -195,3 +197,49 @@ def trl_normalisers(
     if loss_type == "bnpo":
         return {"num_tokens": mask.sum().clamp(min=1) * gradient_accumulation_steps}
     return {"num_sequences": mask.shape[0] * gradient_accumulation_steps}
+
+
+def trl_entropy_terms(
+    config: Any,
+    policy_loss: PolicyLoss,
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    gathered: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | float]:
+    """TRL's two entropy settings for one ``_compute_loss`` call: ``(state, bonus)``.
+
+    * ``top_entropy_quantile = ρ < 1`` (the PolicyLoss's ``entropy_quantile``): TRL's threshold is
+      the ``(1 - ρ)``-quantile (``torch.quantile``'s linear rule) of this call's active
+      entropies gathered over processes, per micro-batch, not per mini-batch as
+      ``softtrust train`` takes it. ``state = {"entropy/threshold": q}`` for
+      ``policy_loss(..., entropy=entropies, state=state)``; None when ρ = 1.
+    * ``entropy_coef = c``: TRL subtracts ``bonus = c · Σ_t H_t m'_t / max(Σ_t m'_t, 1) / GA``
+      from the loss, ``m'`` the mask times the kept tokens: a token mean over the kept
+      tokens of this micro-batch, whatever the loss type's normaliser (the PolicyLoss's own
+      ``entropy_coef`` would aggregate it as the policy loss). 0 when ``c = 0``.
+
+    Args:
+        config: the ``GRPOConfig`` (reads ``entropy_coef``).
+        policy_loss: the loss (its ``entropy_quantile`` is TRL's ``top_entropy_quantile``).
+        entropies: [B, T] per-token entropies of this micro-batch (differentiable).
+        mask: [B, T] the loss mask.
+        gradient_accumulation_steps: GA (1 in evaluation).
+        gathered: every process's active entropies, 1-D (default: this call's own).
+    """
+    active = mask.bool()  # [B, T]
+    state, keep = None, active
+    if policy_loss.selects_by_entropy:
+        # in float32, as TRL takes its quantile (a float64 entropy at the threshold compares as in TRL)
+        pool = (entropies.detach()[active] if gathered is None else gathered).float()  # [n]
+        threshold = entropy_threshold(
+            pool, torch.ones_like(pool, dtype=torch.bool), policy_loss.entropy_quantile
+        )
+        state = {ENTROPY_THRESHOLD: threshold}
+        keep = high_entropy_mask(entropies, active, threshold)  # [B, T]
+    coef = _get(config, "entropy_coef", 0.0)
+    if not coef:
+        return state, 0.0
+    kept = keep.to(entropies.dtype)
+    mean = (entropies * kept).sum() / kept.sum().clamp(min=1.0)
+    return state, coef * mean / gradient_accumulation_steps

@@ -22,6 +22,7 @@ from softtrust.kl import KL_ESTIMATORS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
+from .advantage_config import check_advantage_options
 from .machine import check_causal_lm_directory, check_device, resolve_device
 from .tasks import check_task, default_reward
 from .values import check_field_value, coerce, load_yaml_mapping
@@ -30,8 +31,6 @@ MODES = ("sync", "async")
 PROXIMAL = ("none", "recompute", "loglinear", "held")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
-ADVANTAGE_SCALES = ("group", "batch", "none")
-ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce++", "passk")
 OLD_LOGPROBS = ("recompute", "sampler")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The embedded default's warm start: to 20 % validation accuracy, at most 1,000 steps (measured,
@@ -183,6 +182,26 @@ class TrainConfig:
     )
     kl_horizon: float = _field(
         10_000, "Adaptive KL: the horizon (in rows) of --kl-target's controller.", low=0, low_open=True
+    )
+    entropy_coef: float = _field(
+        0.0,
+        "Entropy bonus: -c H_t added to each token's loss (the --entropy-quantile tokens only) and "
+        "aggregated with it; 0 disables it. The policy's entropy is logged as loss/entropy/*.",
+        low=0,
+    )
+    log_entropy: bool = _field(
+        True,
+        "Log the policy's per-token entropy, loss/entropy/{mean,min,max}, from the learner's forward (about a hundredth "
+        "of its time on the CPU; on CUDA it runs the PyTorch tiles, not the Triton kernels); "
+        "--no-log-entropy skips it unless --entropy-coef or --entropy-quantile needs it.",
+        resumable=True,
+    )
+    entropy_quantile: float = _field(
+        1.0,
+        "Train on the high-entropy tokens only: keep the policy loss on this fraction of each mini-batch's "
+        "active tokens with the highest entropy (arXiv 2506.01939); 1 keeps every token.",
+        low=0,
+        high=1,
     )
     advantages: str = _field(
         "group",
@@ -468,7 +487,7 @@ class TrainConfig:
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
             require("tensorboard", "--report-to tensorboard", name="report_to")
-        self._validate_advantages(need)
+        check_advantage_options(self, need)
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"choose one of {KL_ESTIMATORS}")
         need(
             self.kl_target is None or self.kl_coef > 0,
@@ -491,31 +510,6 @@ class TrainConfig:
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
         return self
-
-    def _validate_advantages(self, need) -> None:
-        need(self.advantages in ADVANTAGE_ESTIMATORS, "advantages", f"choose one of {ADVANTAGE_ESTIMATORS}")
-        scaled = self.advantages in ("group", "rloo")
-        need(
-            self.advantage_scale is None or self.advantage_scale in ADVANTAGE_SCALES,
-            "advantage_scale",
-            f"choose one of {ADVANTAGE_SCALES}",
-        )
-        need(
-            self.advantage_scale is None or scaled,
-            "advantage_scale",
-            f"--advantages {self.advantages} normalises its advantages itself (reinforce++: whitened over the "
-            "rollout's tokens; passk: by its subsets' std); drop --advantage-scale",
-        )
-        need(
-            (self.passk_k is not None) == (self.advantages == "passk"),
-            "passk_k",
-            "--advantages passk needs --passk-k, and --passk-k is for --advantages passk only",
-        )
-        need(
-            self.passk_k is None or self.passk_k < self.group_size,
-            "passk_k",
-            f"must be below --group-size {self.group_size} (k = G leaves one subset: every advantage 0)",
-        )
 
     @property
     def effective_advantage_scale(self) -> str | None:

@@ -28,7 +28,7 @@ from softtrust.loss import PolicyLoss
 from .config import TrainConfig
 from .distributed import World, full_model_state, full_tensor
 from .rollout import Evaluation, greedy_evaluation
-from .scoring import Scoring, completion_logprobs_of, row_pieces
+from .scoring import LogProbs, Scoring, completion_logprobs_of, row_pieces
 from .staleness import MiniBatch
 
 
@@ -84,6 +84,7 @@ class BatchTensors(NamedTuple):
     advantages: torch.Tensor
     mask: torch.Tensor
     rollout_logprobs: torch.Tensor | None
+    entropy: torch.Tensor | None = None  # the policy's, for --entropy-quantile's threshold
 
 
 @dataclass
@@ -126,10 +127,11 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         state, results, finite = None, [], True
         for index, rows in enumerate(pieces):
-            logprobs = self.logprobs(self.policy, batch, rows)  # [b, T], differentiable
+            scored = self.logprobs(self.policy, batch, rows, with_entropy=self.scores_entropy)
+            logprobs = scored.logprobs  # [b, T], differentiable (and scored.entropy [b, T] or None)
             inputs = self.loss_inputs(batch, rows, logprobs)  # pi_old (or pi_prox), mu, reference
             if index == 0:
-                state = self.batch_state(batch, pieces, logprobs, inputs)
+                state = self.batch_state(batch, pieces, scored, inputs)
             out = self.loss_fn(
                 logprobs,
                 inputs.old_logprobs,
@@ -139,6 +141,7 @@ class Learner:
                 ref_logprobs=inputs.ref_logprobs,
                 state=state,
                 kl_coef=None if self.kl_controller is None else self.kl_controller.coef,
+                entropy=scored.entropy,
                 **normalisers,
             )
             results.append((logprobs.detach(), out, float(batch.mask[rows].sum())))
@@ -159,15 +162,34 @@ class Learner:
         """The sampler's (truncated) policy, which the learner scores."""
         return Scoring(self.config.temperature, self.config.top_k, self.config.top_p)
 
+    @property
+    def scores_entropy(self) -> bool:
+        """Whether the learner's forward also returns the policy's per-token entropy (then logged
+        as ``loss/entropy/*``): when the loss needs it (``--entropy-coef``, ``--entropy-quantile``)
+        or ``--log-entropy`` (the default). Tiles of the same forward: no [b, T, V] logits, and
+        on the CPU the same log-probs and gradients bit for bit (tested)."""
+        return self.loss_fn.needs_entropy or self.config.log_entropy
+
     def logprobs(
-        self, model: torch.nn.Module, batch: UpdateBatch, rows: slice, scoring: Scoring | None = None
-    ):
+        self,
+        model: torch.nn.Module,
+        batch: UpdateBatch,
+        rows: slice,
+        scoring: Scoring | None = None,
+        with_entropy: bool = False,
+    ) -> LogProbs:
         """``[b, T]`` completion log-probs of ``batch``'s ``rows`` under ``model`` (the policy, a
-        proximal snapshot or the reference), scored as the sampler's policy unless ``scoring``."""
+        proximal snapshot or the reference), scored as the sampler's policy unless ``scoring``,
+        and their ``[b, T]`` entropies ``with_entropy``."""
         width = batch.completion_length
         return completion_logprobs_of(
-            model, batch.input_ids[rows], batch.attention_mask[rows], width, scoring or self.scoring
-        ).logprobs
+            model,
+            batch.input_ids[rows],
+            batch.attention_mask[rows],
+            width,
+            scoring or self.scoring,
+            with_entropy=with_entropy,
+        )
 
     def normalisers(self, batch: UpdateBatch, pieces: int) -> dict:
         """The whole mini-batch's token and row counts (every rank's), so that the pieces' losses
@@ -197,7 +219,9 @@ class Learner:
         reference = None
         if self.reference is not None:
             with torch.no_grad():
-                reference = self.logprobs(self.reference, batch, rows, Scoring(self.config.temperature))
+                reference = self.logprobs(
+                    self.reference, batch, rows, Scoring(self.config.temperature)
+                ).logprobs
         return LossInputs(old, rollout, reference)
 
     def proximal_logprobs(
@@ -212,7 +236,7 @@ class Learner:
         if self.config.proximal in ("recompute", "held"):
             model = self.policy if self.config.proximal == "recompute" else self.proximal_model
             with torch.no_grad():
-                return self.logprobs(model, batch, slice(None))
+                return self.logprobs(model, batch, slice(None)).logprobs
         return behaviour + proximal_alpha(batch) * (logprobs.detach() - behaviour)
 
     def hold_proximal(self, step: int) -> None:
@@ -240,26 +264,34 @@ class Learner:
             self.proximal_step = int(state["proximal_step"])
 
     def batch_state(
-        self, batch: UpdateBatch, pieces: list[slice], logprobs: torch.Tensor, inputs: LossInputs
+        self, batch: UpdateBatch, pieces: list[slice], scored: LogProbs, inputs: LossInputs
     ) -> dict | None:
         """The loss's batch-wide state from the whole mini-batch, every rank's rows
-        (``global_batch_state``): a selecting method's (M2PO, KL-Cov, Clip-Cov, BAPO) and a
-        self-normalised IS correction's mean; None when the loss needs none. One piece: its own
-        log-probs and loss inputs; several: every row's current log-probs from a no-grad pass,
-        skipped when only a correction needs state and the behaviour log-probs are recorded
-        (its mean reads those and the sampler's only)."""
+        (``global_batch_state``): a selecting method's (M2PO, KL-Cov, Clip-Cov, BAPO), a
+        self-normalised IS correction's mean and the ``--entropy-quantile`` threshold; None when
+        the loss needs none. One piece: its own log-probs (``scored``) and loss inputs; several:
+        every row's current log-probs (and entropies) from a no-grad pass, skipped when only a
+        correction needs state and the behaviour log-probs are recorded (its mean reads those
+        and the sampler's only)."""
         if not self.loss_fn.uses_batch_state:
             return None
         old, rollout = inputs.old_logprobs, inputs.rollout_logprobs
+        logprobs, entropy = scored
         if len(pieces) > 1:
-            if self.loss_fn.selects_over_batch or batch.old_logprobs is None:
+            by_entropy = self.loss_fn.selects_by_entropy
+            if self.loss_fn.selects_over_batch or by_entropy or batch.old_logprobs is None:
                 with torch.no_grad():
-                    logprobs = torch.cat([self.logprobs(self.policy, batch, rows) for rows in pieces])
+                    every = [
+                        self.logprobs(self.policy, batch, rows, with_entropy=by_entropy) for rows in pieces
+                    ]
+                logprobs = torch.cat([piece.logprobs for piece in every])
+                entropy = torch.cat([piece.entropy for piece in every]) if by_entropy else None
             else:  # a stand-in the correction never reads
                 logprobs = batch.old_logprobs
             old = logprobs if batch.old_logprobs is None else batch.old_logprobs
             rollout = batch.rollout_logprobs
-        tensors = BatchTensors(logprobs.detach(), old, batch.advantages, batch.mask, rollout)
+        entropy = None if entropy is None else entropy.detach()
+        tensors = BatchTensors(logprobs.detach(), old, batch.advantages, batch.mask, rollout, entropy)
         step = batch.policy_version + batch.lag  # the learner's step
         generator = torch.Generator().manual_seed(step_seed(self.config.seed, step))
         return global_batch_state(self.loss_fn, tensors, self.world, generator)
@@ -396,6 +428,7 @@ def global_batch_state(
         tensors.mask,
         tensors.rollout_logprobs,
         generator=generator,
+        entropy=tensors.entropy,
     )
     return {name: value.to(device) for name, value in state.items()}
 

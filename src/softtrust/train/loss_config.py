@@ -60,7 +60,8 @@ def build_correction(spec: str | None):
 
 
 def build_method_loss(config: TrainConfig):
-    """The ``softtrust.PolicyLoss`` the config describes."""
+    """The ``softtrust.PolicyLoss`` the config describes (with ``--entropy-coef`` and
+    ``--entropy-quantile``: the learner then passes the policy's entropy)."""
     import softtrust as st
 
     kl = st.KL(coef=config.kl_coef, estimator=config.kl_estimator) if config.kl_coef > 0 else None
@@ -77,6 +78,8 @@ def build_method_loss(config: TrainConfig):
             # T_max of seq-mean-token-sum-norm: the configured maximum, so that ranks and
             # mini-batches with different padded lengths share one normaliser
             max_completion_length=config.effective_max_new_tokens,
+            entropy_coef=config.entropy_coef,
+            entropy_quantile=config.entropy_quantile,
             **config.method_params,
         )
     except (TypeError, ValueError) as error:
