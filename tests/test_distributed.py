@@ -478,6 +478,9 @@ class _TwoRanks(World):
         # a self-normalised IS correction's mean (alone, and next to a method's selection)
         ("clip", {"correction": "tis:cap=1.2,self_normalize=true"}),
         ("m2po", {"tau": 0.05, "correction": "mis:low=0.7,high=1.4,level=sequence,self_normalize=true"}),
+        # the --entropy-quantile threshold (alone, and next to a method's selection)
+        ("clip", {"entropy_quantile": 0.3}),
+        ("kl-cov", {"ratio": 0.1, "entropy_quantile": 0.6}),
     ],
 )
 def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
@@ -496,19 +499,30 @@ def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
     correction = build_correction(params.pop("correction", None))
     rollout = None if correction is None else old + 0.3 * torch.randn(8, 5, generator=generator).double()
     loss_fn = st.PolicyLoss(method, correction=correction, **params)
+    entropy = (
+        3 * torch.rand(8, 5, generator=generator, dtype=torch.float64) if loss_fn.needs_entropy else None
+    )
     whole = loss_fn.batch_state(
-        logprobs, old, advantages, mask, rollout, generator=torch.Generator().manual_seed(7)
+        logprobs, old, advantages, mask, rollout, generator=torch.Generator().manual_seed(7), entropy=entropy
     )
     share = lambda x, rows, width=5: None if x is None else x[rows, :width]  # noqa: E731
     rank1 = BatchTensors(
-        logprobs[4:, :3], old[4:, :3], advantages[4:], mask[4:, :3], share(rollout, slice(4, 8), 3)
+        logprobs[4:, :3],
+        old[4:, :3],
+        advantages[4:],
+        mask[4:, :3],
+        share(rollout, slice(4, 8), 3),
+        share(entropy, slice(4, 8), 3),
     )
-    state = global_batch_state(
-        loss_fn,
-        BatchTensors(logprobs[:4], old[:4], advantages[:4], mask[:4], share(rollout, slice(0, 4))),
-        _TwoRanks(rank1),
-        torch.Generator().manual_seed(7),
+    rank0 = BatchTensors(
+        logprobs[:4],
+        old[:4],
+        advantages[:4],
+        mask[:4],
+        share(rollout, slice(0, 4)),
+        share(entropy, slice(0, 4)),
     )
+    state = global_batch_state(loss_fn, rank0, _TwoRanks(rank1), torch.Generator().manual_seed(7))
     assert state.keys() == whole.keys()
     for name in whole:  # float64 sums of ~40 tokens in another order: 10·eps64·√40 ≈ 1.4e-14, ×70
         torch.testing.assert_close(state[name], whole[name], rtol=1e-12, atol=0, msg=name)
@@ -520,6 +534,7 @@ def test_global_batch_state_over_ranks_equals_the_whole_batch(method, params):
         mask[:4],
         share(rollout, slice(0, 4)),
         generator=torch.Generator().manual_seed(7),
+        entropy=share(entropy, slice(0, 4)),
     )
     assert any(not torch.equal(alone[name], whole[name]) for name in whole)
 
