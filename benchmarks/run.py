@@ -110,6 +110,9 @@ token log-ratio at masked positions, which sequence levels, metrics and batch-wi
 read), and wins them back with the clamp's fused backward.
 
 Reading (written from this run's numbers, on the machine named at the top): {loss_reading}
+Before and after a change: `python benchmarks/compare_commits.py BEFORE/src src` times the loss
+at two commits in alternating processes and says where their ATen operations differ
+([the reading after the learner's restructure](benchmarks_compare.md)).
 The `+metrics` column adds ratio, log-weight, φ and ESS statistics as 0-dim tensors (no host
 sync in the call; `LossOutput.metric_values()` reads them with one transfer).
 
