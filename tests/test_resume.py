@@ -146,6 +146,9 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
         dict(mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip"),  # lagged async
         # the adaptive KL coefficient is in the checkpoint (a short horizon: it moves every step)
         dict(staleness=2, method="clip", kl_coef=0.5, kl_target=1e-4, kl_horizon=8.0),
+        # the KL reference is the warm-started policy, which no checkpoint holds: a resume rebuilds it
+        # (it was the model before the warm start: step 4's loss differed)
+        dict(staleness=2, method="clip", kl_coef=0.5, sft_steps=20, sft_target_accuracy=None),
         # dynamic sampling: extra passes draw problems (the sampler's state is in the checkpoint)
         # and sample with keys of (rollout, pass, group); a 0/1 reward on groups of 2 drops many
         dict(staleness=3, method="clip", filter_groups=True, **DAPO),
@@ -161,6 +164,7 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
         "sync-sampler-old-logprobs",
         "lagged-async",
         "adaptive-kl",
+        "kl-after-warm-start",
         "sync-dapo",
         "lagged-async-dapo",
         "held-proximal",

@@ -136,13 +136,21 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
 def run_sweep_command(arguments, extra: list[str]) -> int:
     """``softtrust sweep``: run the grid (or only rewrite its report); exit 0, 1 (a cell
     failed), 2 (bad arguments) or 130 (interrupted: the same command resumes)."""
+    from softtrust._runlock import holding
+
     from .report import rewrite_report
     from .runner import run_sweep
 
     try:
         sweep = sweep_from_arguments(arguments, extra)
         if arguments.report_only:
-            rewrite_report(sweep)
+            if (
+                sweep.output_dir.is_dir()
+            ):  # not while a sweep writes it (a missing one: the report refuses it)
+                with holding(sweep.output_dir, "output_dir", "softtrust sweep"):
+                    rewrite_report(sweep)
+            else:
+                rewrite_report(sweep)
             print(f"report written to {sweep.output_dir}")
             return 0
         result = run_sweep(sweep)

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 from softtrust._runfiles import atomic_write_json
+from softtrust._runlock import LOCK_FILE, holding, lock_holder
 from softtrust.train.checkpoint import find_checkpoint
 from softtrust.train.config import TrainConfig
+from softtrust.train.runlog import RUN_FILES
 
 from .grid import Cell, Sweep
 from .report import require_report_dependencies, write_report
@@ -40,18 +42,63 @@ def cell_status(directory: Path, max_steps: int) -> str:
     return "partial" if directory.exists() else "new"
 
 
+# What a cell's directory may hold when its run stopped before its first complete checkpoint: the
+# sweep removes these (and only these) to start the cell over. A finished run's ``summary.json``
+# and ``final/`` are not among them, nor anything the sweep and the trainer do not write.
+UNSTARTED_CELL_FILES = (
+    *(name for name in RUN_FILES if name not in ("summary.json", "final")),
+    "sweep-cell.yaml",
+    "sweep-cell.json",
+    "train.log",
+    LOCK_FILE,
+)
+
+
+def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
+    """Refuse, before any cell runs, a cell whose directory another live process holds (a cell
+    left running by an earlier sweep that was killed), or one the sweep could only start over by
+    deleting what it did not write or a finished run (no checkpoint to resume from)."""
+    directory = cell.directory(sweep.output_dir)
+    holder = lock_holder(directory)
+    if holder is not None:
+        raise ValueError(
+            f"{cell.name}: its run directory {str(directory)!r} is in use by {holder} (a cell of an earlier "
+            "sweep still running?); wait for it to finish or stop it, then run the sweep again"
+        )
+    if not directory.exists() or has_checkpoint(directory):
+        return
+    foreign = sorted(entry.name for entry in directory.iterdir() if entry.name not in UNSTARTED_CELL_FILES)
+    if foreign:
+        raise ValueError(
+            f"{cell.name}: {str(directory)!r} has no checkpoint to resume from, so the sweep would start it over, "
+            f"but it holds {', '.join(foreign)} (a finished run's results, or files the sweep did not write), "
+            "which it does not delete; move them away, or use another --output-dir"
+        )
+
+
+def has_checkpoint(directory: Path) -> bool:
+    try:
+        find_checkpoint(directory)
+    except ValueError:
+        return False
+    return True
+
+
 def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
     """Launch one ``softtrust train`` process for ``cell``: it resumes the cell's run from its last
-    complete checkpoint; a cell without one starts over, in a directory the sweep clears itself
-    (the sweep owns its cells' directories; a new run refuses one that holds a run)."""
+    complete checkpoint; a cell without one starts over, in a directory the sweep clears of its own
+    and the trainer's files (``UNSTARTED_CELL_FILES``; ``check_cell_can_start`` refused anything else)."""
     directory = cell.directory(sweep.output_dir)
     config = sweep.cell_config(cell)
-    if directory.exists():
-        try:
-            find_checkpoint(directory)
-            config = config.replace(resume=str(directory))
-        except ValueError:  # interrupted before its first complete checkpoint
-            shutil.rmtree(directory)
+    if has_checkpoint(directory):
+        config = config.replace(resume=str(directory))
+    elif directory.exists():  # interrupted before its first complete checkpoint
+        for name in UNSTARTED_CELL_FILES:
+            path = directory / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
     request = directory / "sweep-cell.yaml"
     request.write_text(config.to_yaml())
@@ -101,10 +148,17 @@ def check_same_settings(sweep: Sweep, cell: Cell) -> None:
 
 def run_sweep(sweep: Sweep) -> dict:
     """Run every cell that is not done yet, then write the report. Returns the report plus
-    ``ran`` / ``skipped`` (cell names) and ``failed`` (cells that crashed)."""
+    ``ran`` / ``skipped`` (cell names) and ``failed`` (cells that crashed). One live sweep per
+    directory (``_runlock``: a second is refused; a killed one's lock is taken over)."""
     sweep.validate()
     require_report_dependencies()  # the report at the end needs scipy: refused before any cell runs
     sweep.output_dir.mkdir(parents=True, exist_ok=True)
+    with holding(sweep.output_dir, "output_dir", "softtrust sweep"):
+        return run_locked_sweep(sweep)
+
+
+def run_locked_sweep(sweep: Sweep) -> dict:
+    """``run_sweep`` once the sweep directory is this process's."""
     max_steps = sweep.max_steps
     atomic_write_json(
         sweep.output_dir / "sweep.json",
@@ -130,6 +184,8 @@ def run_sweep(sweep: Sweep) -> dict:
     todo = [
         c for c in cells if cell_status(c.directory(sweep.output_dir), max_steps) not in ("done", "stopped")
     ]
+    for cell in todo:
+        check_cell_can_start(sweep, cell)
     skipped = [c.name for c in cells if c not in todo]
     started = time.time()
     ran, failed = execute(sweep, todo, cells, started)

@@ -1,9 +1,11 @@
 """The run directory: ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, TensorBoard events,
 checkpoints, ``final/``, ``summary.json`` and the reward plot.
 
-A run directory is owned by one run. A new run refuses a directory that already holds a
-run's files (``RUN_FILES``) and says how to resume it or where else to go; the default
-name (``runs/<time>-<method>-N<N>-seed<seed>-<random>``) cannot collide. A resumed run
+A run directory is owned by one run, and written by one live process at a time (rank 0 holds
+``_runlock.DirectoryLock`` from ``RunLog.open`` to ``RunLog.close``; a killed owner's lock is
+taken over with a note). A new run refuses a directory that already holds a run's files
+(``RUN_FILES``) or lies inside another run's directory, and says how to resume it or where else
+to go; the default name (``runs/<time>-<method>-N<N>-seed<seed>-<random>``) cannot collide. A resumed run
 writes into the directory it resumes (whatever ``output_dir`` its config recorded), keeps
 its metrics up to the checkpoint and drops any logged after it (they are logged again).
 Under ``torchrun`` only rank 0 writes; the other ranks hold a silent ``RunLog``.
@@ -24,6 +26,7 @@ import torch
 from softtrust._optional import MissingDependency, pyplot
 from softtrust._provenance import provenance
 from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
+from softtrust._runlock import DirectoryLock
 
 from .config import TrainConfig
 from .distributed import World
@@ -53,15 +56,43 @@ def default_run_directory(config: TrainConfig) -> str:
 
 
 def check_new_run_directory(directory: Path) -> None:
-    """Refuse a directory that already holds a run (``RUN_FILES``), naming how to go on."""
+    """Refuse a directory that already holds a run (``RUN_FILES``) or lies inside one (its pruning
+    or a resume would delete or mix with the new run), naming how to go on."""
     if directory.is_file():
         raise ValueError(f"output_dir: {str(directory)!r} is a file, not a directory")
+    for parent in directory.resolve().parents:
+        if (parent / "config.yaml").is_file() and any(
+            (parent / name).exists() for name in ("metrics.jsonl", "checkpoints")
+        ):
+            raise ValueError(
+                f"output_dir: {str(directory)!r} lies inside the run directory {str(parent)!r}, whose "
+                "checkpoint pruning and resumes would delete or mix with it; choose a directory outside it"
+            )
     found = sorted(name for name in RUN_FILES if (directory / name).exists())
     if found:
         raise ValueError(
             f"output_dir: {str(directory)!r} already holds a run ({', '.join(found)}); resume it with "
             f"--resume {directory}, or choose another --output-dir (or none, for a new unique one)"
         )
+
+
+def lock_run_directory(directory: Path, new: bool) -> tuple[DirectoryLock, str | None]:
+    """Create ``directory`` if needed and take its lock (a ``ValueError`` naming the live owner
+    otherwise); a ``new`` run's directory is checked before and, under the lock, again (two new
+    runs started at once into one directory: the second is refused). Returns the lock and the
+    note of a takeover from a killed owner (or None)."""
+    if new:
+        check_new_run_directory(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = DirectoryLock(directory, "output_dir")
+    took_over = lock.acquire()
+    if new:
+        try:
+            check_new_run_directory(directory)
+        except ValueError:
+            lock.release()
+            raise
+    return lock, took_over
 
 
 class RunLog:
@@ -83,6 +114,7 @@ class RunLog:
         self.last_postfix: dict = {}
         self.warmstart: dict = {}  # what the warm start did (warmstart_* fields), for the summary
         self.warned: set[str] = set()  # the keys of the warnings given once (``warn``)
+        self.lock: DirectoryLock | None = None  # rank 0's hold on the directory, until ``close``
 
     @classmethod
     def open(cls, config: TrainConfig, world: World | None = None) -> RunLog:
@@ -93,20 +125,26 @@ class RunLog:
         if config.output_dir is None:
             config.output_dir = world.broadcast(default_run_directory(config))
         directory = Path(config.output_dir)
-        problem = None
-        if world.is_main and config.resume is None:
+        problem, lock, took_over = None, None, None
+        if world.is_main:
             try:
-                check_new_run_directory(directory)
+                lock, took_over = lock_run_directory(directory, new=config.resume is None)
             except ValueError as error:
                 problem = str(error)
-        problem = world.broadcast(problem)  # every rank fails alike, before anything is written
+        problem = world.broadcast(problem)  # every rank fails alike, before a run file is written
         if problem is not None:
+            if lock is not None:
+                lock.release()
             raise ValueError(problem)
         if not world.is_main:
             return cls(directory, config, writes=False)
-        directory.mkdir(parents=True, exist_ok=True)
         atomic_write_text(directory / "config.yaml", config.to_yaml())
         run = cls(directory, config)
+        run.lock = lock
+        if (
+            took_over is not None
+        ):  # a killed owner's lock: said, and kept in events.jsonl (step 0: a resume keeps it)
+            run.warn(took_over, step=0)
         if config.resume is not None:
             run.rewards = [(r["step"], r["reward/mean"]) for r in read_jsonl(run.metrics_path)]
             run.accuracies = [(r["step"], r["eval/accuracy"]) for r in run._records() if "eval/accuracy" in r]
@@ -115,6 +153,12 @@ class RunLog:
                 {k: v for k, v in starts[-1].items() if k.startswith("warmstart")} if starts else {}
             )
         return run
+
+    def close(self) -> None:
+        """Release the directory (the run's files stay); safe to call twice."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _records(self) -> list[dict]:
         return read_jsonl(self.events_path) + read_jsonl(self.metrics_path)

@@ -113,21 +113,24 @@ def train_in_world(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) ->
     started = time.time()
     session = set_up(config, loss_fn, world)
     run, state, learner = session.run, session.state, session.learner
-    progress = run.progress_bar(config, initial=state.step)
     try:
-        while state.step < config.max_steps:
-            train_step(session, config, progress)
+        progress = run.progress_bar(config, initial=state.step)
+        try:
+            while state.step < config.max_steps:
+                train_step(session, config, progress)
+        finally:
+            progress.close()
+            session.rollouts.close()
+        save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
+        run.note(f"evaluating {len(session.eval_problems)} held-out problems after RL (greedy)")
+        after = evaluate_and_sample(session, config, state.step)
+        run.log_event({"step": state.step, "eval/accuracy": after.accuracy, "eval/score": after.score})
+        final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
+        return run.finish(
+            config, session.model, session.tokenizer, state, after, time.time() - started, final_state
+        )
     finally:
-        progress.close()
-        session.rollouts.close()
-    save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-    run.note(f"evaluating {len(session.eval_problems)} held-out problems after RL (greedy)")
-    after = evaluate_and_sample(session, config, state.step)
-    run.log_event({"step": state.step, "eval/accuracy": after.accuracy, "eval/score": after.score})
-    final_state = learner.model_state(for_pretrained=True)  # gathered under FSDP2 (every rank takes part)
-    return run.finish(
-        config, session.model, session.tokenizer, state, after, time.time() - started, final_state
-    )
+        run.close()  # the directory is free for the next process (also after an error)
 
 
 def train_step(session: Session, config: TrainConfig, progress) -> None:
@@ -193,7 +196,16 @@ def set_up(config: TrainConfig, loss_fn: st.PolicyLoss, world: World) -> Session
     check_group_filter(config, world)
     task, eval_problems = task_and_held_out(config, EVAL_SEED)
     checkpoint = find_checkpoint(config.resume) if config.resume is not None else None
-    run = RunLog.open(config, world)  # the first file written
+    run = RunLog.open(config, world)  # the first file written; the directory is this process's
+    try:
+        return set_up_run(config, loss_fn, world, task, eval_problems, checkpoint, run)
+    except BaseException:
+        run.close()
+        raise
+
+
+def set_up_run(config, loss_fn, world, task, eval_problems, checkpoint, run: RunLog) -> Session:
+    """``set_up`` once the run directory is open: the policy, learner, rollouts and state."""
     tokenizer, model = load_policy(config, run, task, eval_problems, world)
     reference = copy.deepcopy(model).eval().to(world.device) if config.kl_coef > 0 else None
     # The file layouts (tied weights once), read before any sharding.
@@ -400,7 +412,9 @@ def load_policy(config: TrainConfig, run: RunLog, task, eval_problems, world: Wo
         model.config.use_cache = False  # the sampler asks for its cache explicitly
     model.eval()  # dropout off everywhere: behaviour and learner log-probs use the same numerics
     steps = config.effective_sft_steps
-    if steps and config.resume is None:
+    # a resume restores the policy from its checkpoint, but a KL reference is the warm-started
+    # policy, which no checkpoint holds: rebuild it (the cache entry, or the same deterministic run)
+    if steps and (config.resume is None or config.kl_coef > 0):
         for turn in ("main", "others"):  # rank 0 first, then the rest read its cache entry
             if world.is_main == (turn == "main"):
                 warm_start_policy(config, run, model, tokenizer, task, eval_problems, steps)

@@ -1,0 +1,190 @@
+"""One live process per run or sweep directory (issue 37's data-loss findings).
+
+Each test puts two processes on one directory at once, or kills the owner and goes on: two
+resumes of one run, two sweeps of one directory, a cell an earlier (killed) sweep left
+running, a new run inside another run's directory, and a finished cell the sweep would have
+deleted. Before the lock both resumes trained and one died with a traceback (metrics with
+duplicated, non-monotone steps), and the sweep ``rmtree``-d a finished cell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from softtrust._runlock import LOCK_FILE, DirectoryLock, lock_holder
+from softtrust.cli import main
+from softtrust.train.options import load_resume_config
+from softtrust.train.trainer import train
+from test_train import micro_config, read_metrics, write_micro_model
+
+TESTS = Path(__file__).resolve().parent
+
+HOLD = (
+    "import sys, time\n"
+    "from pathlib import Path\n"
+    "from softtrust._runlock import DirectoryLock\n"
+    "DirectoryLock(Path(sys.argv[1]), 'output_dir').acquire()\n"
+    "print('held', flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def micro_model_dir(tmp_path_factory) -> str:
+    return write_micro_model(tmp_path_factory.mktemp("micro_model"))
+
+
+def hold(directory: Path) -> subprocess.Popen:
+    """Another process that takes ``directory``'s lock and keeps it (until killed)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline().strip() == "held"
+    return process
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def test_a_second_process_is_refused_and_a_killed_owners_lock_is_taken_over(tmp_path):
+    owner = hold(tmp_path)
+    try:
+        assert f"process {owner.pid}" in lock_holder(tmp_path)
+        with pytest.raises(ValueError, match=rf"output_dir: .* is in use by process {owner.pid} on "):
+            DirectoryLock(tmp_path, "output_dir").acquire()
+    finally:
+        kill(owner)
+    assert lock_holder(tmp_path) is None  # the kernel dropped the dead owner's lock
+    lock = DirectoryLock(tmp_path, "output_dir")
+    note = lock.acquire()
+    assert note is not None and f"took over {str(tmp_path)!r} from process {owner.pid}" in note
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # a clean release leaves nothing to take over
+    again = DirectoryLock(tmp_path, "output_dir")
+    assert again.acquire() is None
+    again.release()
+
+
+def test_two_resumes_of_one_run_at_once_and_a_resume_after_killing_one(micro_model_dir, tmp_path):
+    run = tmp_path / "run"
+    train(micro_config(micro_model_dir, run, method="clip", max_steps=2, save_every=1))
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "softtrust", "train", "--resume", str(run), "--max-steps", "100000"]
+    first = subprocess.Popen(
+        command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while lock_holder(run) is None:  # the first resume has opened the run
+            assert first.poll() is None, first.stderr.read()
+            assert time.time() < deadline, "the first resume never took the run"
+            time.sleep(0.05)
+        with pytest.raises(ValueError, match=rf"output_dir: .* is in use by process {first.pid}"):
+            train(load_resume_config({"resume": str(run), "max_steps": 4}))
+        second = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert f"is in use by process {first.pid}" in second.stderr
+        deadline = time.time() + 120
+        while len(read_metrics(run)) < 4 and time.time() < deadline:  # let it write a few steps
+            time.sleep(0.1)
+    finally:
+        kill(first)  # SIGKILL: no chance to release the lock
+    steps_before = len(read_metrics(run))
+    summary = train(load_resume_config({"resume": str(run), "max_steps": steps_before + 2}))
+    assert summary["steps"] == steps_before + 2
+    steps = [m["step"] for m in read_metrics(run)]
+    assert steps == list(range(1, steps_before + 3))  # one writer: no duplicated or missing step
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert any(f"from process {first.pid}" in e.get("warning", "") for e in events)
+
+
+def test_a_new_run_inside_another_runs_directory_is_refused(micro_model_dir, tmp_path):
+    run = tmp_path / "run"
+    train(micro_config(micro_model_dir, run, method="clip", max_steps=2, save_every=1))
+    inside = run / "checkpoints" / "step-000001" / "new"
+    with pytest.raises(ValueError, match=r"output_dir: .* lies inside the run directory"):
+        train(micro_config(micro_model_dir, inside, method="clip", max_steps=1))
+    assert not inside.exists()
+
+
+# ---------------------------------------------------------------------- sweeps
+def sweep_argv(model_dir: str, output: Path, max_steps: int) -> list[str]:
+    return [
+        "sweep", "--methods", "clip", "--staleness", "1", "--seeds", "1", "--output-dir", str(output),
+        "--jobs", "1", "--no-progress", "--model", model_dir, "--dataset", str(Path(model_dir) / "sums.jsonl"),
+        "--reward", "test_train:digit_reward", "--group-size", "4", "--prompts-per-step", "2",
+        "--max-new-tokens", "3", "--max-steps", str(max_steps), "--eval-every", "0", "--eval-size", "8",
+        "--lr", "1e-2", "--sft-steps", "0",
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def cells_can_import_the_reward(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("SOFTTRUST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_a_second_sweep_into_a_running_sweeps_directory_is_refused(
+    micro_model_dir, tmp_path, capsys, cells_can_import_the_reward
+):
+    output = tmp_path / "sweep"
+    output.mkdir()
+    owner = hold(output)  # a sweep running there
+    try:
+        assert main(sweep_argv(micro_model_dir, output, 2)) == 2
+        assert main([*sweep_argv(micro_model_dir, output, 2), "--report-only"]) == 2
+    finally:
+        kill(owner)
+    err = capsys.readouterr().err
+    assert err.count(f"is in use by process {owner.pid}") == 2 and "Traceback" not in err
+    assert not (output / "runs").exists()  # no cell started
+    assert main(sweep_argv(micro_model_dir, output, 2)) == 0  # the killed sweep's lock is taken over
+    assert f"took over {str(output)!r} from process {owner.pid}" in capsys.readouterr().err
+
+
+def test_a_sweep_refuses_a_cell_still_trained_by_an_earlier_sweeps_orphan(
+    micro_model_dir, tmp_path, capsys, cells_can_import_the_reward
+):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(micro_model_dir, output, 2)) == 0
+    cell = output / "runs" / "clip" / "N1" / "seed0"
+    orphan = hold(cell)  # the killed sweep's cell process, still training
+    try:
+        assert main(sweep_argv(micro_model_dir, output, 4)) == 2
+    finally:
+        kill(orphan)
+    err = capsys.readouterr().err
+    assert f"clip N=1 seed=0: its run directory {str(cell)!r} is in use by process {orphan.pid}" in err
+    assert [m["step"] for m in read_metrics(cell)] == [1, 2]  # untouched
+
+
+def test_the_sweep_never_deletes_a_finished_cell_or_files_it_did_not_write(
+    micro_model_dir, tmp_path, capsys, cells_can_import_the_reward
+):
+    output = tmp_path / "sweep"
+    assert main(sweep_argv(micro_model_dir, output, 2)) == 0
+    cell = output / "runs" / "clip" / "N1" / "seed0"
+    shutil.rmtree(cell / "checkpoints")  # no checkpoint to resume from
+    (cell / "my-notes.txt").write_text("mine")
+    before = sorted(str(path.relative_to(cell)) for path in cell.rglob("*"))
+    assert main(sweep_argv(micro_model_dir, output, 4)) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint to resume from" in err and "final, my-notes.txt, summary.json" in err
+    assert sorted(str(path.relative_to(cell)) for path in cell.rglob("*")) == before
+    assert (cell / "my-notes.txt").read_text() == "mine"
