@@ -467,6 +467,61 @@ class _TwoRanks(World):
         return [obj, self.other]
 
 
+class _GatheringRanks(World):
+    """Rank ``rank`` of two whose ``gather_objects`` returns what both ranks hand in: the other
+    rank's objects are computed from the whole rollout by ``share_of(other_rank, call_index)``."""
+
+    def __init__(self, rank: int, share_of):
+        super().__init__(rank=rank, size=2)
+        self.share_of, self.calls = share_of, 0
+
+    def gather_objects(self, obj) -> list:
+        other = self.share_of(1 - self.rank, self.calls)
+        self.calls += 1
+        return [obj, other] if self.rank == 0 else [other, obj]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"advantages": "reinforce++"},
+        {"advantages": "passk", "passk_k": 2},
+        {"advantages": "group", "advantage_scale": "batch"},
+        {"advantages": "rloo", "advantage_scale": "batch"},
+    ],
+    ids=["reinforce++", "passk", "group-batch", "rloo-batch"],
+)
+def test_rollout_advantages_over_two_ranks_equal_one_process(values):
+    """Each rank's advantages from its share of a rollout (4 prompts a step, N = 2: 8 groups of 4)
+    equal one process's on the whole rollout: the batch-wide ones (REINFORCE++'s token-weighted
+    whitening, a batch scale) need every rank's rewards and lengths, which rollout_advantages gathers."""
+    from softtrust.train.config import TrainConfig
+    from softtrust.train.trainer import rollout_advantages
+
+    config = TrainConfig(group_size=4, prompts_per_step=4, staleness=2, **values)
+    generator = torch.Generator().manual_seed(5)
+    rewards = torch.rand(32, generator=generator).round(decimals=1)  # [8 groups x 4]
+    lengths = torch.randint(1, 9, (32,), generator=generator)
+    whole = rollout_advantages(rewards, config, None, lengths)
+
+    def rows_of(rank: int) -> list[int]:
+        groups = World(rank=rank, size=2).local_groups(8, config.prompts_per_step)
+        return [group * 4 + member for group in groups for member in range(4)]
+
+    def share_of(rank: int, call: int):  # rollout_advantages gathers the rewards, then the lengths
+        index = torch.as_tensor(rows_of(rank))
+        return index, (rewards if call == 0 else lengths)[index]
+
+    mine = []
+    for rank in (0, 1):
+        rows = rows_of(rank)
+        local = rollout_advantages(rewards[rows], config, _GatheringRanks(rank, share_of), lengths[rows])
+        torch.testing.assert_close(local, whole[rows], rtol=0, atol=0)
+        mine.append(rollout_advantages(rewards[rows], config, None, lengths[rows]))
+    if values.get("advantages") != "passk":  # per group: the same without the gather
+        assert not torch.equal(mine[0], whole[rows_of(0)])  # one rank alone normalises otherwise
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     ("method", "params"),

@@ -183,3 +183,29 @@ def test_error_bad_kl_coef(loss_fn, coef, message):
     logprobs, old, advantages, mask = random_batch(seed=8)
     with pytest.raises(ValueError, match=message):
         loss_fn(logprobs, old, advantages, mask, ref_logprobs=logprobs, kl_coef=coef)
+
+
+@pytest.mark.parametrize("corrected", [False, True])
+@pytest.mark.parametrize("estimator", st.KL_ESTIMATORS)
+def test_kl_term_over_micro_batches_adds_up_to_the_whole_batch(estimator, corrected):
+    """With the global token count, micro-batch losses (KL term included) sum to the whole batch's."""
+    logprobs, old, advantages, mask = random_batch(8, 6, seed=21)
+    ref = logprobs.detach() + 0.3 * torch.randn(
+        logprobs.shape, generator=torch.Generator().manual_seed(4), dtype=logprobs.dtype
+    )
+    loss_fn = st.PolicyLoss("clip", kl=st.KL(coef=0.2, estimator=estimator, importance_corrected=corrected))
+    whole, whole_grad, _ = loss_and_grad(loss_fn, logprobs, old, advantages, mask, ref_logprobs=ref)
+    total, grads = 0.0, []
+    for rows in (slice(0, 3), slice(3, 8)):
+        piece = loss_and_grad(
+            loss_fn,
+            logprobs[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            ref_logprobs=ref[rows],
+            num_tokens=mask.sum(),
+        )
+        total, grads = total + piece[0], [*grads, piece[1]]
+    torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=1e-12, atol=1e-14)

@@ -66,6 +66,27 @@ def test_kl_target_moves_the_coefficient_by_the_ppo_rule_each_step(micro_model_d
     assert metrics[-1]["kl_coef"] != metrics[0]["kl_coef"]
 
 
+@pytest.mark.parametrize("estimator", ["abs", "k1+", "k3+", "k2"])
+def test_each_kl_estimator_trains_on_the_main_job(micro_model_dir, tmp_path, estimator):
+    """The policy starts as the reference (the KL is exactly 0 at step 1) and moves away from it; the
+    logged loss/kl is that estimator's (abs, k2 >= 0; k3+ is k3's value >= 0)."""
+    config = micro_config(
+        micro_model_dir,
+        tmp_path / "run",
+        method="clip",
+        staleness=2,
+        max_steps=4,
+        kl_coef=0.1,
+        kl_estimator=estimator,
+    )
+    train(config)
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[0]["loss/kl"] == 0.0 and all(m["kl_coef"] == 0.1 for m in metrics)
+    assert any(m["loss/kl"] != 0.0 for m in metrics[1:])
+    if estimator != "k1+":  # k1's value is a signed mean
+        assert all(m["loss/kl"] >= 0.0 for m in metrics)
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [

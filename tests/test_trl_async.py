@@ -610,3 +610,26 @@ def test_async_normalisers_divide_the_micro_batch_counts_over_ranks_and_accumula
     assert async_normalisers("token-sum", inputs, 4, 2) == {}
     nothing = {"global_n_tokens": torch.tensor([0.0]), "global_n_samples": torch.tensor([0.0])}
     assert async_normalisers("token-mean", nothing, 1, 1)["num_tokens"].item() == 1.0  # never 0
+
+
+# --- entropy terms: the packed forward's entropies, regrouped like the log-probs ---------------------
+
+
+def test_entropy_options_get_the_packed_forwards_entropies_per_sample(tmp_path):
+    """``entropy_quantile``/``entropy_coef`` inside the async trainer: each call gets ``entropy=``
+    regrouped as the log-probs ([S, L], finite on every term), keeps about half of the terms, and
+    the loss is the PolicyLoss's on those inputs (per packed micro-batch: trl.md)."""
+    loss = st.PolicyLoss("clip", entropy_quantile=0.5, entropy_coef=0.01)
+    trainer = build_trainer(RecordingTrainer, tmp_path, lags=(0, 1), policy_loss=loss)
+    trainer.train()
+    calls = trainer.policy_loss.calls
+    assert len(calls) == 4 * GA
+    for args, kwargs, out in calls:
+        logprobs, old, advantages, mask = args
+        entropy = kwargs["entropy"]
+        assert entropy.shape == logprobs.shape and bool(torch.isfinite(entropy[mask]).all())
+        assert bool((entropy[mask] > 0).all())  # a softmax over the vocabulary, never one-hot here
+        again = loss(logprobs.detach(), old, advantages, mask, **kwargs)
+        torch.testing.assert_close(again.loss, out.loss.detach(), rtol=0, atol=0)
+        assert 0.4 <= out.metric_values()["entropy/kept"] <= 0.75  # ties aside: half, rounded up
+    assert logged(trainer, "softtrust/entropy/mean")

@@ -244,6 +244,38 @@ def test_adapter_refuses_entropy_settings_it_would_change(tmp_path):
         check_supported(adaptive, st.PolicyLoss("clip", entropy_quantile=0.5))
 
 
+def test_adapter_threshold_takes_every_processs_active_entropies():
+    """Under several processes the adapter pads and gathers each process's active entropies (TRL's
+    gather), drops the padding, and takes the quantile of all of them, not of its own."""
+    from softtrust.integrations.trl import SoftTrustGRPOTrainer
+    from softtrust.integrations.trl_config import trl_entropy_terms
+
+    gen = torch.Generator().manual_seed(9)
+    mine, theirs = 2 * torch.rand(B, T, generator=gen), 3 * torch.rand(B, T, generator=gen)
+    mask, their_mask = crafted(1)[-1], crafted(2)[-1]
+    their_active = theirs[their_mask.bool()]
+
+    class TwoProcesses:  # accelerate's pad_across_processes and gather, for this process and one other
+        num_processes = 2
+
+        def pad_across_processes(self, tensor, dim=0, pad_index=0):
+            width = max(tensor.shape[0], their_active.shape[0])
+            return torch.nn.functional.pad(tensor, (0, width - tensor.shape[0]), value=pad_index)
+
+        def gather(self, tensor):
+            return torch.cat([tensor, self.pad_across_processes(their_active, pad_index=math.nan)])
+
+    loss_fn = st.PolicyLoss("clip", entropy_quantile=0.3)
+    stub = types.SimpleNamespace(policy_loss=loss_fn, accelerator=TwoProcesses())
+    gathered = SoftTrustGRPOTrainer._gathered_entropies(stub, mine, mask)
+    pool = torch.cat([mine[mask.bool()], their_active])
+    assert torch.equal(gathered.sort().values, pool.sort().values)
+    state, _ = trl_entropy_terms(types.SimpleNamespace(entropy_coef=0.0), loss_fn, mine, mask, 1, gathered)
+    assert state["entropy/threshold"] == torch.quantile(pool.float(), 0.7)
+    alone, _ = trl_entropy_terms(types.SimpleNamespace(entropy_coef=0.0), loss_fn, mine, mask, 1)
+    assert alone["entropy/threshold"] != state["entropy/threshold"]
+
+
 def test_trl_entropy_bonus_gradient_is_the_kept_token_mean():
     """trl_entropy_terms' bonus: c · Σ H m' / Σ m' / GA, so d bonus / d H = c m' / (Σ m' · GA)."""
     from softtrust.integrations.trl_config import trl_entropy_terms
