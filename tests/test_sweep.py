@@ -642,3 +642,37 @@ def test_interrupted_async_cell_resumes(sweep_env, tmp_path):
     assert metrics[2]["policy_version"] == 2  # restarted from the learner's step-2 weights
     summary = json.loads((output / "runs" / "clip" / "K1" / "seed0" / "summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_confirmation_presets_are_the_registered_grid(tmp_path):
+    """docs/preregistration.md names these cells: fresh seeds 5-14, the study's setup at lr 1e-4, the
+    decoupled clip as a method spec (async, held pi_prox with M = K = 16), shared cells once."""
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+
+    def sweep(name):
+        argv = ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
+        return sweep_from_arguments(*build_parser().parse_known_args(argv))
+
+    seeds = list(range(5, 15))
+    sync, asynchronous, decoupled = sweep("confirm-sync"), sweep("confirm-async"), sweep("confirm-decoupled")
+    assert (
+        sync.seeds == seeds and asynchronous.seeds == seeds and sweep("confirm-lr").seeds == [5, 6, 7, 8, 9]
+    )
+    assert sync.reference_method == "vespo" and sorted(sync.staleness) == [4, 64]
+    assert {sync.cell_config(c).lr for c in sync.cells()} == {1e-4}
+    configs = {c.spec.label: decoupled.cell_config(c) for c in decoupled.cells()}
+    held = configs["clip[proximal=held,proximal_every=16]"]
+    assert (held.mode, held.max_lag, held.proximal, held.proximal_every, held.method) == (
+        "async",
+        16,
+        "held",
+        16,
+        "clip",
+    )
+    assert configs["clip"].proximal == "none" and decoupled.jobs == 1
+    naive = {c.name: asynchronous.cell_config(c) for c in asynchronous.cells() if c.spec.label == "clip"}
+    for cell in (c for c in decoupled.cells() if c.spec.label == "clip"):  # the same cell, run once
+        assert decoupled.cell_config(cell) == naive[cell.name]
+    for config in configs.values():
+        config.validate()

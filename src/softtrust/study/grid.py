@@ -16,17 +16,19 @@ AXIS_FIELDS = ("method", "method_params", "level", "staleness", "seed", "output_
 LR_AXIS_FIELD = "lr"  # a shared override unless --lrs makes it a grid axis
 
 # Method-spec keys that go to TrainConfig fields instead of the method's parameters.
-SPEC_CONFIG_KEYS = ("level", "aggregation", "correction")
+SPEC_CONFIG_KEYS = ("level", "aggregation", "correction", "proximal", "proximal_every")
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     """One column of the study: a registry name plus parameters, e.g. ``vespo[k_neg=2,lambda_neg=3]``.
 
-    ``level``, ``aggregation`` and ``correction`` in the brackets set those loss axes
-    (``vespo[level=sequence-mean]`` is the paper's length-normalisation ablation,
-    ``clip[correction=tis]`` adds truncated importance sampling; a correction with one
-    parameter at most, since commas separate keys); every other key is a method parameter.
+    ``level``, ``aggregation``, ``correction``, ``proximal`` and ``proximal_every`` in the
+    brackets set those trainer fields (``vespo[level=sequence-mean]`` is the paper's
+    length-normalisation ablation, ``clip[correction=tis]`` adds truncated importance sampling,
+    a correction with one parameter at most, since commas separate keys;
+    ``clip[proximal=held,proximal_every=16]`` is async clip with the decoupled objective's held
+    π_prox); every other key is a method parameter.
     """
 
     label: str

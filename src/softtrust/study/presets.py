@@ -28,6 +28,8 @@ STUDY_SETUP = {
     "eval_every": 16,
 }
 
+CONFIRM_SEEDS = "5,6,7,8,9,10,11,12,13,14"  # the confirmation study's fresh seeds (docs/preregistration.md)
+
 PRESETS = {
     # The paper's comparison (its Table 2: GRPO-style clip, GSPO, SAPO, VESPO) at N = 4, 16
     # and 64: 60 cells of 256 steps, 9-15 min a cell on one core (measured), so ~6.5 h on 2 cores
@@ -144,5 +146,52 @@ PRESETS = {
         "staleness": "1",
         "seeds": "0,",
         "overrides": {**STUDY_SETUP, "mismatch": "bf16", "max_steps": 32},
+    },
+    # The confirmation study (issue 36), registered in docs/preregistration.md before any of its
+    # cells ran: fresh seeds 5-14, the long-completion setup, lr 1e-4. The presets share one
+    # output directory per mode, so a cell two presets name (clip at N = 64, clip at K = 16) runs once.
+    "confirm-sync": {
+        "methods": "clip,vespo,dppo",
+        "staleness": "4,64",
+        "seeds": CONFIRM_SEEDS,
+        "reference": "vespo",
+        "overrides": STUDY_SETUP,
+    },
+    "confirm-ceiling": {
+        "methods": "clip",
+        "staleness": "1",
+        "seeds": CONFIRM_SEEDS,
+        "overrides": STUDY_SETUP,
+    },
+    "confirm-eps": {
+        "methods": "clip,clip[eps_high=0.28]",
+        "staleness": "64",
+        "seeds": CONFIRM_SEEDS,
+        "reference": "clip[eps_high=0.28]",
+        "overrides": STUDY_SETUP,
+    },
+    "confirm-async": {
+        "methods": "clip,vespo",
+        "staleness": "1,16",
+        "seeds": CONFIRM_SEEDS,
+        "reference": "vespo",
+        "jobs": 1,
+        "overrides": {**STUDY_SETUP, "mode": "async"},
+    },
+    "confirm-decoupled": {
+        "methods": "clip,clip[proximal=held,proximal_every=16]",
+        "staleness": "16",
+        "seeds": CONFIRM_SEEDS,
+        "reference": "clip[proximal=held,proximal_every=16]",
+        "jobs": 1,
+        "overrides": {**STUDY_SETUP, "mode": "async"},
+    },
+    "confirm-lr": {
+        "methods": "clip,vespo",
+        "staleness": "64",
+        "seeds": "5,6,7,8,9",
+        "reference": "vespo",
+        "lrs": [5e-5, 2e-4],
+        "overrides": STUDY_SETUP,
     },
 }
