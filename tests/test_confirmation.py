@@ -1,0 +1,148 @@
+"""The confirmation study's registered tests (docs/preregistration.md) on synthetic sweeps whose
+answers are known: the values a run takes (a stopped run: final 0, accuracy 0 after the stop),
+the difference-in-differences, the sign test when a run failed, TOST, Holm, the order."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+pytest.importorskip("scipy")
+
+from softtrust.study import confirmation as c
+from softtrust.study.stats import holm, paired_t_test, sign_test
+from test_sweep import write_run
+
+SEEDS = range(5, 15)
+STEPS = list(range(0, 257, 16))
+
+
+def curve(level: float, seed: int) -> list[tuple[int, float]]:
+    """An accuracy curve from 0.30 rising linearly to ``level`` (plus a per-seed offset)."""
+    top = level + 0.004 * (seed - 9)
+    return [(s, 0.30 + (top - 0.30) * s / 256) for s in STEPS]
+
+
+def area(points) -> float:
+    return sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in itertools.pairwise(points)) / 256
+
+
+def write_cell(root, slug, axis, value, seed, level=None, stopped_at=None):
+    points = curve(level, seed)
+    directory = root / "runs" / slug / f"{axis}{value}" / f"seed{seed}"
+    if stopped_at is not None:
+        kept = [(s, a) for s, a in points if s <= stopped_at]
+        write_run(directory, kept, stopped_at, returncode=3)
+    else:
+        summary = {"steps": 256, "accuracy_before": 0.30, "accuracy_after": points[-1][1]}
+        write_run(directory, points, 256, summary=summary, returncode=0)
+    return points
+
+
+def sync_sweep(root, levels):
+    for (slug, n), level in levels.items():
+        for seed in SEEDS:
+            write_cell(root, slug, "N", n, seed, level + 0.003 * ((seed * 7 + n + len(slug)) % 5))
+    return c.load_outcomes(root)
+
+
+LEVELS = {("clip", 4): 0.70, ("clip", 64): 0.55, ("vespo", 4): 0.71, ("vespo", 64): 0.66,
+          ("dppo", 64): 0.655, ("clip-eps_high=0.28", 64): 0.56}  # fmt: skip
+
+
+def test_registered_values_of_a_completed_and_a_stopped_run(tmp_path):
+    done = write_cell(tmp_path / "a", "clip", "N", 4, 5, level=0.7)
+    write_cell(tmp_path / "b", "clip", "N", 4, 5, level=0.7, stopped_at=64)
+    (full,) = c.load_outcomes(tmp_path / "a").values()
+    (stopped,) = c.load_outcomes(tmp_path / "b").values()
+    assert full == {"final": pytest.approx(done[-1][1]), "area": pytest.approx(area(done)), "failed": False}
+    zeroed = [(s, a) for s, a in done if s <= 64] + [(s, 0.0) for s in STEPS if s > 64]
+    assert stopped == {"final": 0.0, "area": pytest.approx(area(zeroed)), "failed": True}
+
+
+def test_h1_is_the_difference_in_differences_in_area_paired_by_seed(tmp_path):
+    values = sync_sweep(tmp_path, LEVELS)
+    family = c.primary_family(values, {})
+    h1 = family[0]
+    expected = [
+        (values[("vespo", 64, s)]["area"] - values[("vespo", 4, s)]["area"])
+        - (values[("clip", 64, s)]["area"] - values[("clip", 4, s)]["area"])
+        for s in SEEDS
+    ]
+    reference = paired_t_test(expected)
+    assert (h1["name"], h1["test"], h1["n"]) == ("H1", "t", 10)
+    assert h1["mean"] == pytest.approx(reference["mean"]) and h1["p"] == pytest.approx(reference["p"])
+    assert h1["mean"] > 0.03 and h1["positive"] == 10
+    # H2, H3 have no cells here: p = 1 (counted in the family), never holding
+    assert [e["name"] for e in family] == ["H1", "H2", "H3", "H4"]
+    assert family[1]["p"] == 1.0 and not family[1]["holds"] and not family[2]["holds"]
+    adjusted = holm([e["p"] for e in family])
+    assert [e["p_holm"] for e in family] == pytest.approx(adjusted)
+    assert h1["holds"]
+
+
+def test_h4_equivalence_by_tost_and_a_failed_run_makes_it_untestable(tmp_path):
+    values = sync_sweep(tmp_path / "a", LEVELS)
+    h4 = c.primary_family(values, {})[3]
+    differences = [values[("vespo", 64, s)]["final"] - values[("dppo", 64, s)]["final"] for s in SEEDS]
+    error = paired_t_test(differences)["std"] / math.sqrt(10)
+    from scipy import stats
+
+    mean = sum(differences) / 10
+    expected = max(stats.t.sf((mean + 0.03) / error, 9), stats.t.sf((0.03 - mean) / error, 9))
+    assert h4["test"] == "tost" and h4["p"] == pytest.approx(expected) and h4["p"] < 0.001
+    # far apart: not equivalent
+    apart = sync_sweep(tmp_path / "b", {**LEVELS, ("dppo", 64): 0.55})
+    assert c.primary_family(apart, {})[3]["p"] > 0.5
+    # one stopped DPPO run: the sign test cannot show equivalence; registered as not holding
+    values[("dppo", 64, 7)] = {"final": 0.0, "area": 0.1, "failed": True}
+    failed = c.primary_family(values, {})[3]
+    assert failed["p"] == 1.0 and not failed["holds"] and "not testable" in failed["note"]
+
+
+def test_a_stopped_run_switches_h1_to_the_sign_test_with_its_registered_value(tmp_path):
+    for (slug, n), level in LEVELS.items():
+        for seed in SEEDS:
+            stop = 48 if (slug, n, seed) == ("clip", 64, 6) else None
+            write_cell(tmp_path, slug, "N", n, seed, level, stopped_at=stop)
+    values = c.load_outcomes(tmp_path)
+    h1 = c.primary_family(values, {})[0]
+    differences = [
+        (values[("vespo", 64, s)]["area"] - values[("vespo", 4, s)]["area"])
+        - (values[("clip", 64, s)]["area"] - values[("clip", 4, s)]["area"])
+        for s in SEEDS
+    ]
+    assert h1["test"] == "sign" and h1["p"] == pytest.approx(sign_test(differences)["p"])
+    assert h1["p"] == pytest.approx(2 / 1024)  # 10 of 10 seeds positive
+
+
+def test_h2_h3_from_the_async_sweep_and_the_secondary_family(tmp_path):
+    levels = {("clip", 1): 0.70, ("clip", 16): 0.50, ("vespo", 1): 0.70, ("vespo", 16): 0.64,
+              (c.DECOUPLED, 16): 0.52}  # fmt: skip
+    for (slug, k), level in levels.items():
+        for seed in SEEDS:
+            write_cell(tmp_path / "async", slug, "K", k, seed, level + 0.002 * (seed % 3))
+    asynchronous = c.load_outcomes(tmp_path / "async")
+    sync = sync_sweep(tmp_path / "sync", LEVELS)
+    family = c.primary_family(sync, asynchronous)
+    assert all(e["holds"] for e in family[:2]) and family[2]["mean"] > 0
+    secondary = c.secondary_family(sync, None)
+    assert [e["name"] for e in secondary] == ["S1"] and secondary[0]["test"] == "tost"
+    text = c.markdown(family)
+    assert text.index("| H1 |") < text.index("| H2 |") < text.index("| H3 |") < text.index("| H4 |")
+
+
+def test_the_command_refuses_a_missing_directory_and_writes_the_tables(tmp_path, capsys):
+    sync_sweep(tmp_path / "sync", LEVELS)
+    (tmp_path / "async").mkdir()
+    with pytest.raises(SystemExit) as error:
+        c.main(["--sync", str(tmp_path / "nope"), "--async", str(tmp_path / "async")])
+    assert error.value.code == 2 and "--sync" in capsys.readouterr().err
+    out = tmp_path / "tables.md"
+    assert (
+        c.main(["--sync", str(tmp_path / "sync"), "--async", str(tmp_path / "async"), "--output", str(out)])
+        == 0
+    )
+    assert "Primary family" in out.read_text() and "| H1 |" in out.read_text()
