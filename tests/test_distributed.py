@@ -334,6 +334,32 @@ def test_two_processes_reach_the_same_weights_as_one(
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000006"]
 
 
+@pytest.mark.numerics
+@pytest.mark.costly
+def test_adaptive_kl_over_two_processes_counts_every_ranks_rows(micro_model_dir, tmp_path):
+    """--kl-target under torchrun: the controller's n is the mini-batch's rows over all ranks and its
+    KL the all-reduced loss/kl. With the target far from every measured KL (0 at step 1, the policy
+    still the reference; above 1e-9 after) the error term saturates at -0.2 or +0.2, so beta moves
+    by exactly 1 -/+ 0.2 n / H a step whatever the rounding: n = 8 (both ranks' rows), where one
+    rank's 4 would give half the step."""
+    target, horizon = 1e-9, 8.0
+    overrides = dict(max_steps=4, method="clip", kl_coef=0.5, kl_target=target, kl_horizon=horizon)
+    run = tmp_path / "ddp"
+    torchrun(run_config(micro_model_dir, run, **overrides))
+    train(TrainConfig(**run_config(micro_model_dir, tmp_path / "one", **overrides)))
+    ours, reference = read_metrics(run), read_metrics(tmp_path / "one")
+    config = run_config(micro_model_dir, run)
+    rows = config["prompts_per_step"] * config["group_size"]  # the whole mini-batch, both ranks
+    for metrics in (ours, reference):
+        expected = [0.5]
+        for m in metrics[:-1]:
+            assert m["loss/kl"] == 0.0 or m["loss/kl"] > 100 * target  # saturated either way
+            error = -0.2 if m["loss/kl"] < target else 0.2
+            expected.append(expected[-1] * (1 + error * rows / horizon))
+        assert [m["kl_coef"] for m in metrics] == pytest.approx(expected, rel=1e-12)
+    assert [m["kl_coef"] for m in ours] == [m["kl_coef"] for m in reference]
+
+
 # ---------------------------------------------------------------------- 2. resume with another world size
 @pytest.mark.numerics
 @pytest.mark.costly
