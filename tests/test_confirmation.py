@@ -45,7 +45,7 @@ def sync_sweep(root, levels):
     for (slug, n), level in levels.items():
         for seed in SEEDS:
             write_cell(root, slug, "N", n, seed, level + 0.003 * ((seed * 7 + n + len(slug)) % 5))
-    return c.load_outcomes(root)
+    return c.load_outcomes(root, registration=None)
 
 
 LEVELS = {("clip", 4): 0.70, ("clip", 64): 0.55, ("vespo", 4): 0.71, ("vespo", 64): 0.66,
@@ -55,8 +55,8 @@ LEVELS = {("clip", 4): 0.70, ("clip", 64): 0.55, ("vespo", 4): 0.71, ("vespo", 6
 def test_registered_values_of_a_completed_and_a_stopped_run(tmp_path):
     done = write_cell(tmp_path / "a", "clip", "N", 4, 5, level=0.7)
     write_cell(tmp_path / "b", "clip", "N", 4, 5, level=0.7, stopped_at=64)
-    (full,) = c.load_outcomes(tmp_path / "a").values()
-    (stopped,) = c.load_outcomes(tmp_path / "b").values()
+    (full,) = c.load_outcomes(tmp_path / "a", registration=None).values()
+    (stopped,) = c.load_outcomes(tmp_path / "b", registration=None).values()
     assert full == {"final": pytest.approx(done[-1][1]), "area": pytest.approx(area(done)), "failed": False}
     zeroed = [(s, a) for s, a in done if s <= 64] + [(s, 0.0) for s in STEPS if s > 64]
     assert stopped == {"final": 0.0, "area": pytest.approx(area(zeroed)), "failed": True}
@@ -107,7 +107,7 @@ def test_a_stopped_run_switches_h1_to_the_sign_test_with_its_registered_value(tm
         for seed in SEEDS:
             stop = 48 if (slug, n, seed) == ("clip", 64, 6) else None
             write_cell(tmp_path, slug, "N", n, seed, level, stopped_at=stop)
-    values = c.load_outcomes(tmp_path)
+    values = c.load_outcomes(tmp_path, registration=None)
     h1 = c.primary_family(values, {})[0]
     differences = [
         (values[("vespo", 64, s)]["area"] - values[("vespo", 4, s)]["area"])
@@ -124,7 +124,7 @@ def test_h2_h3_from_the_async_sweep_and_the_secondary_family(tmp_path):
     for (slug, k), level in levels.items():
         for seed in SEEDS:
             write_cell(tmp_path / "async", slug, "K", k, seed, level + 0.002 * (seed % 3))
-    asynchronous = c.load_outcomes(tmp_path / "async")
+    asynchronous = c.load_outcomes(tmp_path / "async", registration=None)
     sync = sync_sweep(tmp_path / "sync", LEVELS)
     family = c.primary_family(sync, asynchronous)
     assert all(e["holds"] for e in family[:2]) and family[2]["mean"] > 0
@@ -146,3 +146,46 @@ def test_the_command_refuses_a_missing_directory_and_writes_the_tables(tmp_path,
         == 0
     )
     assert "Primary family" in out.read_text() and "| H1 |" in out.read_text()
+
+
+def test_only_registered_seeds_of_descendant_commits_count(tmp_path):
+    """Every counted cell's commit descends from the registration (git merge-base --is-ancestor);
+    a pilot seed, an older commit or a run without a recorded commit is left out, and listed."""
+    import json
+    import subprocess
+
+    def commit_of(revision: str) -> str:
+        return subprocess.run(
+            ["git", "rev-parse", revision], capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        registered, older = commit_of(c.REGISTRATION), commit_of(f"{c.REGISTRATION}~1")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout with the registration commit")
+    cases = {5: registered, 6: older, 7: None, 0: registered}
+    for seed, commit in cases.items():
+        write_cell(tmp_path, "clip", "N", 4, seed, level=0.7)
+        summary_path = tmp_path / "runs" / "clip" / "N4" / f"seed{seed}" / "summary.json"
+        summary = json.loads(summary_path.read_text())
+        if commit is not None:
+            summary["provenance"] = {"git_commit": commit}
+        summary_path.write_text(json.dumps(summary))
+    excluded: list[str] = []
+    values = c.load_outcomes(tmp_path, excluded=excluded)
+    assert list(values) == [("clip", 4, 5)]
+    reasons = "\n".join(excluded)
+    assert "seed0: seed 0 is not a registered seed" in reasons
+    assert f"seed6: commit {older[:12]} does not descend from the registration" in reasons
+    assert "seed7: no recorded commit" in reasons
+
+
+def test_a_failed_run_switches_the_test_for_its_cell_even_when_its_seed_does_not_pair(tmp_path):
+    """VESPO N = 64 stopped at seed 5 and DPPO's seed 5 missing: the seed does not pair, but the cell
+    has a stopped run, so H4 (an equivalence) does not hold, as registered."""
+    values = sync_sweep(tmp_path, LEVELS)
+    values[("vespo", 64, 5)] = {"final": 0.0, "area": 0.1, "failed": True}
+    del values[("dppo", 64, 5)]
+    h4 = c.primary_family(values, {})[3]
+    assert h4["n"] == 9 and h4["p"] == 1.0 and not h4["holds"]
+    assert "not testable" in h4["note"]

@@ -188,3 +188,72 @@ def test_the_sweep_never_deletes_a_finished_cell_or_files_it_did_not_write(
     assert "has no checkpoint to resume from" in err and "final, my-notes.txt, summary.json" in err
     assert sorted(str(path.relative_to(cell)) for path in cell.rglob("*")) == before
     assert (cell / "my-notes.txt").read_text() == "mine"
+
+
+def test_a_filesystem_that_cannot_lock_runs_unlocked_with_a_note(tmp_path, monkeypatch):
+    import errno
+
+    import softtrust._runlock as runlock
+
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_locks)
+    lock = DirectoryLock(tmp_path, "output_dir")
+    note = lock.acquire()
+    assert "could not lock" in note and "No locks available" in note and not lock.held
+    lock.release()  # nothing held: nothing to do
+
+
+def test_a_run_that_fails_while_opening_its_directory_releases_it(micro_model_dir, tmp_path, monkeypatch):
+    from softtrust.train import runlog
+
+    def broken(path, text):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(runlog, "atomic_write_text", broken)
+    with pytest.raises(OSError, match="disk full"):
+        train(micro_config(micro_model_dir, tmp_path / "run", method="clip", max_steps=1))
+    monkeypatch.undo()
+    assert lock_holder(tmp_path / "run") is None
+    assert (tmp_path / "run" / LOCK_FILE).read_text() == ""  # released, not left to a takeover
+
+
+def test_a_project_folder_with_a_config_and_checkpoints_is_not_a_run(micro_model_dir, tmp_path):
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "config.yaml").write_text("model: bert\nlayers: 4\n")  # the project's own, not a run's
+    (project / "metrics.jsonl").write_text("")
+    summary = train(micro_config(micro_model_dir, project / "runs" / "new", method="clip", max_steps=1))
+    assert summary["steps"] == 1
+
+
+def test_the_sweep_checks_a_queued_cell_again_and_never_deletes_a_lock_file(
+    micro_model_dir, tmp_path, cells_can_import_the_reward
+):
+    """A cell without a checkpoint is cleared of the sweep's own files only when it starts, after a
+    second look: an orphan that took the cell meanwhile is refused, and the lock file (deleting a
+    held one lets a second process lock a fresh file) and a write cut by a kill stay or go safely."""
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+    from softtrust.study.runner import check_cell_can_start, start_cell
+
+    output = tmp_path / "sweep"
+    sweep = sweep_from_arguments(*build_parser().parse_known_args(sweep_argv(micro_model_dir, output, 2)))
+    (cell,) = sweep.cells()
+    directory = cell.directory(output)
+    directory.mkdir(parents=True)
+    (directory / "train.log").write_text("killed before its first checkpoint\n")
+    (directory / ".metrics.jsonl.x1y2.tmp").write_text("cut")  # atomic_write_text's temporary
+    check_cell_can_start(sweep, cell)  # only the sweep's and the trainer's files: may start over
+    orphan = hold(directory)  # ... but an orphan takes the cell before its turn comes
+    try:
+        with pytest.raises(ValueError, match=rf"is in use by process {orphan.pid}"):
+            start_cell(sweep, cell)
+        assert (directory / "train.log").is_file()  # nothing cleared
+    finally:
+        kill(orphan)
+    process = start_cell(sweep, cell)
+    process.wait()
+    process.log.close()
+    assert (directory / LOCK_FILE).is_file() and not (directory / ".metrics.jsonl.x1y2.tmp").exists()

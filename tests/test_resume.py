@@ -175,6 +175,15 @@ def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_pat
     train(micro_config(micro_model_dir, tmp_path / "resumed", max_steps=3, **schedule))
     train(load_resume_config({"resume": str(tmp_path / "resumed"), "max_steps": 6}))
     assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    if schedule.get("sft_steps"):  # the resume rebuilt the KL reference without logging a second warm start
+        events = [
+            json.loads(line) for line in (tmp_path / "resumed" / "events.jsonl").read_text().splitlines()
+        ]
+        (start,) = [e for e in events if "warmstart_steps" in e]
+        summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+        assert {k: summary[k] for k in start if k.startswith("warmstart")} == {
+            k: v for k, v in start.items() if k.startswith("warmstart")
+        }  # the run's own record, not the rebuild's
     if "kl_target" in schedule:
         coefs = [m["kl_coef"] for m in read_metrics(tmp_path / "straight")]
         assert [m["kl_coef"] for m in read_metrics(tmp_path / "resumed")] == coefs

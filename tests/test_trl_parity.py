@@ -276,6 +276,22 @@ def test_adapter_threshold_takes_every_processs_active_entropies():
     assert alone["entropy/threshold"] != state["entropy/threshold"]
 
 
+def test_trl_entropy_selection_compares_bf16_entropies_in_float32():
+    """TRL compares ``entropies * mask.float() >= threshold`` (float32); a bf16 comparison would round
+    the threshold to bf16 first and keep a token just below it."""
+    from softtrust.integrations.trl_config import trl_entropy_terms
+
+    entropies = torch.tensor([[1.0, 0.5, 2.0, 1.0078125]], dtype=torch.bfloat16)  # exact in bf16
+    mask = torch.ones(1, 4, dtype=torch.long)
+    loss_fn = st.PolicyLoss("clip", entropy_quantile=0.6)
+    state, bonus = trl_entropy_terms(types.SimpleNamespace(entropy_coef=1.0), loss_fn, entropies, mask, 1)
+    threshold = torch.quantile(entropies.float()[0], 0.4)  # 1.0015625, a fifth of the way to 1.0078125
+    assert state["entropy/threshold"] == threshold and threshold.to(torch.bfloat16) == 1.0  # bf16 rounds down
+    kept = entropies.float() >= threshold  # float32, as TRL: 1.0078125 and 2.0, not 1.0
+    assert int(kept.sum()) == 2
+    assert float(bonus) == pytest.approx(float(entropies.float()[kept].mean()), rel=1e-6)
+
+
 def test_trl_entropy_bonus_gradient_is_the_kept_token_mean():
     """trl_entropy_terms' bonus: c · Σ H m' / Σ m' / GA, so d bonus / d H = c m' / (Σ m' · GA)."""
     from softtrust.integrations.trl_config import trl_entropy_terms

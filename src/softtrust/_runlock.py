@@ -42,7 +42,8 @@ class DirectoryLock:
         self.held = False
 
     def acquire(self) -> str | None:
-        """Take the lock; returns a one-line note when it was taken over from a dead owner, else None.
+        """Take the lock; returns a one-line note when it was taken over from a dead owner (or when the
+        filesystem cannot lock at all: then nothing is held), else None.
 
         Raises:
             ValueError: another live process holds it (naming the field, the directory and the owner).
@@ -53,7 +54,10 @@ class DirectoryLock:
             _HELD[self.key][1] += 1
             self.held = True
             return None
-        descriptor = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            descriptor = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # another user's lock file, a read-only directory
+            return self._unlocked(error)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -63,6 +67,9 @@ class DirectoryLock:
                 f"{self.what}: {str(self.directory)!r} is in use by {owner}; wait for it to finish or stop it "
                 "(one process at a time may write a run or sweep directory)"
             ) from None
+        except OSError as error:  # a filesystem without flock (NFS without lockd, some FUSE mounts)
+            os.close(descriptor)
+            return self._unlocked(error)
         previous = _read(descriptor)
         record = {
             "pid": os.getpid(),
@@ -80,6 +87,13 @@ class DirectoryLock:
                 "releasing it (stopped or killed)"
             )
         return None
+
+    def _unlocked(self, error: OSError) -> str:
+        """The note when the directory cannot be locked at all: the run goes on without the check."""
+        return (
+            f"{self.what}: could not lock {str(self.directory)!r} ({error.strerror or error}); going on "
+            "without the one-writer check: make sure no other process writes this directory"
+        )
 
     def release(self) -> None:
         """Give the lock back (empty the record, unlock); a no-op when not held by this object."""

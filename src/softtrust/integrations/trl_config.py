@@ -236,10 +236,12 @@ def trl_entropy_terms(
             pool, torch.ones_like(pool, dtype=torch.bool), policy_loss.entropy_quantile
         )
         state = {ENTROPY_THRESHOLD: threshold}
-        keep = high_entropy_mask(entropies, active, threshold)  # [B, T]
+        keep = high_entropy_mask(entropies.float(), active, threshold)  # [B, T]; float32 as TRL compares
     coef = _get(config, "entropy_coef", 0.0)
     if not coef:
         return state, 0.0
-    kept = keep.to(entropies.dtype)
+    kept = keep.to(
+        torch.promote_types(entropies.dtype, torch.float32)
+    )  # a float32 sum, as TRL's (mask.float())
     mean = (entropies * kept).sum() / kept.sum().clamp(min=1.0)
     return state, coef * mean / gradient_accumulation_steps

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import subprocess
 from pathlib import Path
 
 from .analysis import CollapseCriterion, area_under_curve, run_outcome
@@ -53,17 +54,55 @@ def registered_values(outcome: dict, max_steps: int = MAX_STEPS, every: int = EV
     return {"final": 0.0, "area": area_under_curve(points, max_steps), "failed": True}
 
 
-def load_outcomes(sweep_dir: Path, max_steps: int = MAX_STEPS) -> dict[Key, dict]:
-    """Every run under ``sweep_dir/runs/<slug>/<N|K><value>/seed<s>``, as registered values."""
+REGISTRATION = "e767df9"  # the commit of docs/preregistration.md: every counted cell descends from it
+SEEDS = tuple(range(5, 15))  # the registered seeds
+
+
+def load_outcomes(
+    sweep_dir: Path,
+    max_steps: int = MAX_STEPS,
+    registration: str | None = REGISTRATION,
+    excluded: list[str] | None = None,
+) -> dict[Key, dict]:
+    """Every run under ``sweep_dir/runs/<slug>/<N|K><value>/seed<s>`` of a registered seed whose
+    recorded commit descends from ``registration`` (None: no check), as registered values.
+    ``excluded`` receives a line for every run left out (another seed, another commit, no record
+    of its code, a commit git cannot check)."""
     values, criterion = {}, CollapseCriterion()
+    excluded = [] if excluded is None else excluded
     for seed_dir in sorted(Path(sweep_dir).glob("runs/*/*/seed*")):
         run = load_run(seed_dir)
         if run is None:
             continue
         slug, axis_dir = seed_dir.parent.parent.name, seed_dir.parent.name
         key = (slug, int(axis_dir.lstrip("NK").split("-")[0]), int(seed_dir.name.removeprefix("seed")))
+        reason = f"seed {key[2]} is not a registered seed" if key[2] not in SEEDS else None
+        if reason is None and registration is not None:
+            reason = lineage_problem(run.get("provenance"), registration)
+        if reason is not None:
+            excluded.append(f"{seed_dir}: {reason}")
+            continue
         values[key] = registered_values(run_outcome(run, max_steps, criterion), max_steps)
     return values
+
+
+def lineage_problem(provenance: dict | None, registration: str) -> str | None:
+    """Why a run whose ``provenance`` this is may not count (its commit does not descend from
+    ``registration``: ``git merge-base --is-ancestor``), or None when it may."""
+    commit = (provenance or {}).get("git_commit")
+    if not commit:
+        return "no recorded commit"
+    result = subprocess.run(  # in this repository (an installed copy without git: cannot check, left out)
+        ["git", "merge-base", "--is-ancestor", registration, commit],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    if result.returncode == 1:
+        return f"commit {commit[:12]} does not descend from the registration {registration}"
+    if result.returncode != 0:
+        return f"git cannot check commit {commit[:12]} ({result.stderr.strip() or 'unknown commit'})"
+    return None
 
 
 def tost(differences: list[float], margin: float = MARGIN) -> dict:
@@ -88,25 +127,30 @@ def tost(differences: list[float], margin: float = MARGIN) -> dict:
 
 def _differences(values: dict[Key, dict], measure: str, terms: list[tuple[float, Key]]) -> tuple[list, bool]:
     """Per seed ``Σ weight · value(key)`` over ``terms`` (keys without their seed), for the seeds
-    where every term has a value; and whether any run involved failed."""
+    where every term has a value; and whether any run of the cells involved failed, at any seed
+    (the registration switches the test by cell, not by the seeds that pair up)."""
     seeds = sorted({key[2] for key in values})
-    differences, failed = [], False
+    cells = {key[:2] for _, key in terms}
+    failed = any(run["failed"] for key, run in values.items() if key[:2] in cells)
+    differences = []
     for seed in seeds:
         runs = [values.get((*key[:2], seed)) for _, key in terms]
         if all(run is not None and run[measure] is not None for run in runs):
             differences.append(
                 sum(weight * run[measure] for (weight, _), run in zip(terms, runs, strict=True))
             )
-            failed = failed or any(run["failed"] for run in runs)
     return differences, failed
 
 
 def _entry(name: str, claim: str, measure: str, differences: list[float], failed: bool, kind: str) -> dict:
     """One registered test: ``kind`` "greater" (mean > 0 claimed) or "equivalent" (TOST)."""
-    if kind == "equivalent":
-        stat = tost(differences) if not failed else {**mean_std_ci(differences), "test": "tost", "p": None}
-        if stat["p"] is None:  # the sign test cannot show equivalence: registered as not holding
-            stat = {**stat, "p": 1.0, "note": "a stopped or collapsed run: equivalence not testable"}
+    if kind == "equivalent" and failed:  # the sign test cannot show equivalence: registered as not holding
+        stat = {**mean_std_ci(differences), "test": "tost", "p": 1.0}
+        stat["note"] = "a stopped or collapsed run: equivalence not testable"
+    elif kind == "equivalent":
+        stat = tost(differences)
+        if stat["p"] is None:
+            stat = {**stat, "p": 1.0, "note": "fewer than two seeds"}
     else:
         stat = sign_test(differences) if failed else paired_t_test(differences)
         if stat["p"] is None:
@@ -184,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         path = getattr(arguments, name)
         if path is not None and not path.is_dir():
             parser.error(f"--{name.replace('asynchronous', 'async')}: {str(path)!r} is not a directory")
-    sync, asynchronous = load_outcomes(arguments.sync), load_outcomes(arguments.asynchronous)
-    mismatch = load_outcomes(arguments.mismatch) if arguments.mismatch else None
+    excluded: list[str] = []
+    sync = load_outcomes(arguments.sync, excluded=excluded)
+    asynchronous = load_outcomes(arguments.asynchronous, excluded=excluded)
+    mismatch = load_outcomes(arguments.mismatch, excluded=excluded) if arguments.mismatch else None
+    left_out = "none" if not excluded else "\n" + "\n".join(f"- {line}" for line in excluded)
     text = (
         "Primary family (Holm over H1–H4):\n\n" + markdown(primary_family(sync, asynchronous))
         + "\nSecondary family (Holm over its tests):\n\n" + markdown(secondary_family(sync, mismatch))
+        + f"\nRuns left out: {left_out}\n"
     )  # fmt: skip
     print(text)
     if arguments.output:

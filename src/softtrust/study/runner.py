@@ -50,8 +50,15 @@ UNSTARTED_CELL_FILES = (
     "sweep-cell.yaml",
     "sweep-cell.json",
     "train.log",
-    LOCK_FILE,
 )
+# also left alone and never deleted: the lock file (deleting a held flock file lets a second
+# process lock a fresh one), and atomic writes' temporaries of the files above cut by a kill
+
+
+def _unstarted(name: str) -> bool:
+    if name in UNSTARTED_CELL_FILES or name == LOCK_FILE:
+        return True
+    return name.endswith(".tmp") and any(name.startswith(f".{kept}.") for kept in UNSTARTED_CELL_FILES)
 
 
 def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
@@ -67,7 +74,7 @@ def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
         )
     if not directory.exists() or has_checkpoint(directory):
         return
-    foreign = sorted(entry.name for entry in directory.iterdir() if entry.name not in UNSTARTED_CELL_FILES)
+    foreign = sorted(entry.name for entry in directory.iterdir() if not _unstarted(entry.name))
     if foreign:
         raise ValueError(
             f"{cell.name}: {str(directory)!r} has no checkpoint to resume from, so the sweep would start it over, "
@@ -93,12 +100,14 @@ def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
     if has_checkpoint(directory):
         config = config.replace(resume=str(directory))
     elif directory.exists():  # interrupted before its first complete checkpoint
-        for name in UNSTARTED_CELL_FILES:
-            path = directory / name
-            if path.is_dir():
-                shutil.rmtree(path)
+        check_cell_can_start(sweep, cell)  # again: a queued cell waited, an orphan may have woken up
+        for entry in directory.iterdir():
+            if entry.name == LOCK_FILE or not _unstarted(entry.name):
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
             else:
-                path.unlink(missing_ok=True)
+                entry.unlink(missing_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
     request = directory / "sweep-cell.yaml"
     request.write_text(config.to_yaml())

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import yaml
 
 from softtrust._optional import MissingDependency, pyplot
 from softtrust._provenance import provenance
@@ -55,15 +56,28 @@ def default_run_directory(config: TrainConfig) -> str:
     return str(Path("runs") / f"{stamp}-{config.method}-{schedule}-seed{config.seed}-{secrets.token_hex(3)}")
 
 
+def is_run_directory(directory: Path) -> bool:
+    """Whether ``directory`` holds a softtrust run: a ``config.yaml`` that reads as a
+    ``TrainConfig`` next to the run's own logs (``events.jsonl`` or ``metrics.jsonl``); a project
+    folder with a ``config.yaml`` and a ``checkpoints/`` of its own is not one."""
+    if not (directory / "config.yaml").is_file():
+        return False
+    if not ((directory / "events.jsonl").is_file() or (directory / "metrics.jsonl").is_file()):
+        return False
+    try:
+        TrainConfig.from_yaml(directory / "config.yaml")
+    except (OSError, ValueError, TypeError, yaml.YAMLError):
+        return False
+    return True
+
+
 def check_new_run_directory(directory: Path) -> None:
     """Refuse a directory that already holds a run (``RUN_FILES``) or lies inside one (its pruning
     or a resume would delete or mix with the new run), naming how to go on."""
     if directory.is_file():
         raise ValueError(f"output_dir: {str(directory)!r} is a file, not a directory")
     for parent in directory.resolve().parents:
-        if (parent / "config.yaml").is_file() and any(
-            (parent / name).exists() for name in ("metrics.jsonl", "checkpoints")
-        ):
+        if is_run_directory(parent):
             raise ValueError(
                 f"output_dir: {str(directory)!r} lies inside the run directory {str(parent)!r}, whose "
                 "checkpoint pruning and resumes would delete or mix with it; choose a directory outside it"
@@ -138,21 +152,30 @@ class RunLog:
             raise ValueError(problem)
         if not world.is_main:
             return cls(directory, config, writes=False)
-        atomic_write_text(directory / "config.yaml", config.to_yaml())
         run = cls(directory, config)
         run.lock = lock
-        if (
-            took_over is not None
-        ):  # a killed owner's lock: said, and kept in events.jsonl (step 0: a resume keeps it)
-            run.warn(took_over, step=0)
+        try:
+            run._start(config, took_over)
+        except BaseException:  # the directory is not left locked by a run that never started
+            run.close()
+            raise
+        return run
+
+    def _start(self, config: TrainConfig, took_over: str | None) -> None:
+        """Write ``config.yaml``, say a takeover (stderr and ``events.jsonl``, step 0 so that a
+        resume keeps it) and, on resume, read back what the run logged before."""
+        atomic_write_text(self.directory / "config.yaml", config.to_yaml())
+        if took_over is not None:
+            self.warn(took_over, step=0)
         if config.resume is not None:
-            run.rewards = [(r["step"], r["reward/mean"]) for r in read_jsonl(run.metrics_path)]
-            run.accuracies = [(r["step"], r["eval/accuracy"]) for r in run._records() if "eval/accuracy" in r]
-            starts = [r for r in read_jsonl(run.events_path) if "warmstart_steps" in r]
-            run.warmstart = (
+            self.rewards = [(r["step"], r["reward/mean"]) for r in read_jsonl(self.metrics_path)]
+            self.accuracies = [
+                (r["step"], r["eval/accuracy"]) for r in self._records() if "eval/accuracy" in r
+            ]
+            starts = [r for r in read_jsonl(self.events_path) if "warmstart_steps" in r]
+            self.warmstart = (
                 {k: v for k, v in starts[-1].items() if k.startswith("warmstart")} if starts else {}
             )
-        return run
 
     def close(self) -> None:
         """Release the directory (the run's files stay); safe to call twice."""

@@ -415,18 +415,24 @@ def load_policy(config: TrainConfig, run: RunLog, task, eval_problems, world: Wo
     # a resume restores the policy from its checkpoint, but a KL reference is the warm-started
     # policy, which no checkpoint holds: rebuild it (the cache entry, or the same deterministic run)
     if steps and (config.resume is None or config.kl_coef > 0):
+        record = dict(run.warmstart)  # a resume keeps the run's own warm-start record
         for turn in ("main", "others"):  # rank 0 first, then the rest read its cache entry
             if world.is_main == (turn == "main"):
-                warm_start_policy(config, run, model, tokenizer, task, eval_problems, steps)
+                warm_start_policy(
+                    config, run, model, tokenizer, task, eval_problems, steps, log=config.resume is None
+                )
             world.barrier()
+        if config.resume is not None:
+            run.warmstart = record
     return tokenizer, model
 
 
 def warm_start_policy(
-    config: TrainConfig, run: RunLog, model, tokenizer, task, eval_problems, steps: int
+    config: TrainConfig, run: RunLog, model, tokenizer, task, eval_problems, steps: int, log: bool = True
 ) -> None:
     """The cached supervised warm start (``warmstart.py``), with a progress bar (or lines) while it
-    trains; one warning line when it stops below its target."""
+    trains; one warning line when it stops below its target. ``log=False`` (a resume rebuilding the
+    KL reference): no event, no warning, ``run.warmstart`` left to the caller."""
     target = None
     if config.sft_target_accuracy is not None:
         validation = ProblemSampler(task, seed=VALIDATION_SEED, exclude=eval_problems).draw(VALIDATION_SIZE)
@@ -476,6 +482,8 @@ def warm_start_policy(
         "warmstart_target": done.target,
         "warmstart_reached": done.reached,
     }
+    if not log:
+        return
     run.log_event(dict(run.warmstart))
     if not done.reached:
         run.warn(
