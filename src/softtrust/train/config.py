@@ -228,7 +228,10 @@ class TrainConfig:
         "sync", "sync (staleness N) | async (a concurrent rollout worker lagging by at most --max-lag steps)."
     )
     max_lag: int = _field(
-        2, "Async: the most optimizer steps the worker's weights may lag the learner (K).", low=0
+        2,
+        "Async: the most optimizer steps the worker's weights may lag the learner (K) at a fetched "
+        "batch's first update.",
+        low=0,
     )
     proximal: str = _field(
         "none",
