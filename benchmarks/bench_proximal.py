@@ -3,7 +3,8 @@
 The default main job's shapes (embedded tiny Qwen2, m = 32 prompts x G = 8, up to 6 new
 tokens), one async mini-batch sampled by the initial weights at lag 2 (the learner took
 two steps since), and ``policy_update`` (forward, loss, backward, AdamW step) under
-``--proximal none``, ``recompute`` (an extra no-grad forward) and ``loglinear``. Modes are
+``--proximal none``, ``recompute`` (an extra no-grad forward, which the trainer takes when the
+batch is fetched: timed here with the update) and ``loglinear``. Modes are
 interleaved so that machine load drifts equally over all three; each update starts from the
 same weights and optimizer state. Prints the median of ``--repeats`` updates per mode.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import time
 
@@ -24,7 +26,8 @@ from softtrust.train.distributed import World
 from softtrust.train.learner import Learner, build_optimizer
 from softtrust.train.loss_config import build_method_loss
 from softtrust.train.rollout import ProblemSampler, RewardScorer, generate_rollout, group_uniforms
-from softtrust.train.staleness import MiniBatch
+from softtrust.train.scoring import Scoring
+from softtrust.train.staleness import MiniBatch, behaviour_logprobs
 from softtrust.train.tasks import build_task
 from softtrust.train.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
@@ -74,7 +77,11 @@ def main() -> None:
                 model, model, optimizer, scheduler, World(), [], [], build_method_loss(config), config
             )
             began = time.perf_counter()
-            learner.update(minibatch)
+            taken = minibatch
+            if mode == "recompute":  # pi_prox: the fetch's forward of the weights before the update
+                proximal = behaviour_logprobs(model, batch, Scoring(config.temperature))
+                taken = dataclasses.replace(minibatch, proximal_logprobs=proximal)
+            learner.update(taken)
             if repeat:
                 times[mode].append(time.perf_counter() - began)
     rows = batch.input_ids.shape[0]

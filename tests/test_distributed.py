@@ -646,12 +646,18 @@ def test_batch_wide_selection_under_torchrun_equals_one_process(
 
 
 @pytest.mark.numerics
-def test_decoupled_objective_on_two_processes_matches_one(micro_model_dir, initial_weights, tmp_path):
+@pytest.mark.parametrize("updates_per_batch", [1, 2])
+def test_decoupled_objective_on_two_processes_matches_one(
+    micro_model_dir, initial_weights, tmp_path, updates_per_batch
+):
     """--proximal recompute under DDP: the extra no-grad forward of pi_prox runs on each rank's
-    share (outside DDP's gradient bookkeeping) and the update equals one process's."""
+    share (outside DDP's gradient bookkeeping) and the update equals one process's; with
+    --updates-per-batch 2 each rank splits its share of a 2 x m batch into its two mini-batches
+    and holds pi_prox over them."""
     values = dict(
         mode="async", max_lag=2, lag_schedule="0,2,1", max_steps=5, method="clip", proximal="recompute"
     )
+    values["updates_per_batch"] = updates_per_batch
     train(
         TrainConfig(**run_config(micro_model_dir, tmp_path / "one", **{**values, "lag_schedule": [0, 2, 1]}))
     )

@@ -158,6 +158,17 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
         dict(
             mode="async", max_lag=2, lag_schedule=[0, 2, 1], method="clip", proximal="held", proximal_every=5
         ),
+        # two updates per fetched batch: the checkpoint after update 3 falls inside batch 1, whose
+        # pending second mini-batch keeps the pi_prox taken at its fetch (before update 3), not
+        # one retaken from the resumed weights
+        dict(
+            mode="async",
+            max_lag=2,
+            lag_schedule=[0, 2, 1],
+            method="clip",
+            proximal="recompute",
+            updates_per_batch=2,
+        ),
     ],
     ids=[
         "sync",
@@ -168,6 +179,7 @@ def assert_same_run(straight: Path, resumed: Path) -> None:
         "sync-dapo",
         "lagged-async-dapo",
         "held-proximal",
+        "updates-per-batch-mid-batch",
     ],
 )
 def test_k_plus_k_steps_with_a_resume_equal_2k_straight(micro_model_dir, tmp_path, schedule):

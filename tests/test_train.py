@@ -237,8 +237,10 @@ def test_async_fixed_lag_schedule_bounds_lag_and_uses_generation_logprobs(
     real_update = Learner.update
 
     def spy(learner, minibatch):
-        # The behaviour log-probs are the worker's own, recorded while sampling ...
-        assert minibatch.old_logprobs is minibatch.batch.rollout_logprobs
+        # The behaviour log-probs are the worker's own, recorded while sampling (the same memory) ...
+        recorded = minibatch.batch.rollout_logprobs
+        assert torch.equal(minibatch.old_logprobs, recorded)
+        assert minibatch.old_logprobs.data_ptr() == recorded.data_ptr()
         # ... and they are the lagged weights' numbers, not the current learner's.
         with torch.no_grad():
             current = completion_logprobs_of(
@@ -366,7 +368,7 @@ def test_reject_with_tis_from_the_command_line_drops_the_tokens_past_its_bound(m
 
 # ---------------------------------------------------------------------- the decoupled objective (--proximal)
 def test_loglinear_alpha_at_known_versions():
-    from softtrust.train.learner import loglinear_alpha
+    from softtrust.train.proximal import loglinear_alpha
 
     # AReaL's own example: behaviour 3, proximal 7, current 8 -> 4/5
     assert loglinear_alpha(3, 7, 8) == pytest.approx(0.8)

@@ -24,11 +24,11 @@ from softtrust.ratios import LEVELS
 
 from .advantage_config import check_advantage_options
 from .machine import check_causal_lm_directory, check_device, resolve_device
+from .proximal import check_proximal_options
 from .tasks import check_task, default_reward
 from .values import check_field_value, coerce, load_yaml_mapping
 
 MODES = ("sync", "async")
-PROXIMAL = ("none", "recompute", "loglinear", "held")
 MISMATCH = ("none", "bf16", "fp16")
 REPORT_TO = ("none", "tensorboard")
 OLD_LOGPROBS = ("recompute", "sampler")
@@ -228,23 +228,36 @@ class TrainConfig:
         "sync", "sync (staleness N) | async (a concurrent rollout worker lagging by at most --max-lag steps)."
     )
     max_lag: int = _field(
-        2, "Async: the most optimizer steps the worker's weights may lag the learner (K).", low=0
+        2,
+        "Async: the most optimizer steps the worker's weights may lag the learner (K) at a fetched "
+        "batch's first update.",
+        low=0,
     )
     proximal: str = _field(
         "none",
         "Async: the decoupled objective (AReaL). none: old = the behaviour policy. recompute: old = "
-        "pi_prox, the policy before this update, from a no-grad forward, and an uncapped IS weight "
-        "pi_prox / behaviour (or the IS correction given in --correction). loglinear: the same, with "
-        "log pi_prox = log mu + alpha (log pi_theta - log mu), alpha from policy versions (= 1 here: "
-        "exact, no extra forward). held: pi_prox is a snapshot of the policy refreshed every "
-        "--proximal-every updates (saved in checkpoints), so the clip bounds the movement since the "
-        "snapshot, not since the last update.",
+        "pi_prox, the policy before the fetched batch's first update (one no-grad forward when it is "
+        "fetched; with --updates-per-batch U held over its U updates, else the policy before this "
+        "update), and an uncapped IS weight pi_prox / behaviour (or the IS correction given in "
+        "--correction). loglinear: the same, with log pi_prox = log mu + alpha (log pi_theta - log mu), "
+        "alpha from policy versions (= 1 on a batch's first update: exact, no extra forward). held: "
+        "pi_prox is a snapshot of the policy refreshed every --proximal-every updates (saved in "
+        "checkpoints), so the clip bounds the movement since the snapshot, not since the last update.",
     )
     proximal_every: int = _field(
         0,
         "--proximal held: refresh the pi_prox snapshot every this many updates (M >= 1; M = --max-lag "
         "holds the anchor over K steps).",
         low=0,
+    )
+    updates_per_batch: int = _field(
+        1,
+        "Async: optimizer updates per fetched batch, U (AReaL's ppo_n_minibatches): the worker samples "
+        "U x m prompts with one version of the weights, split into U mini-batches of m prompts taken at "
+        "consecutive steps; --proximal recompute takes pi_prox once, when the batch is fetched, and holds "
+        "it over its U updates. --max-lag bounds the lag of a batch's first update (update u lags u more). "
+        "Sync mode splits rollouts by --staleness N.",
+        low=1,
     )
     lag_schedule: list = field(
         default_factory=list,
@@ -457,28 +470,7 @@ class TrainConfig:
             require(module, "the trainer")
         need(self.method in METHODS, "method", f"unknown method; choose one of {sorted(METHODS)}")
         need(self.mode in MODES, "mode", f"choose one of {MODES}")
-        need(self.proximal in PROXIMAL, "proximal", f"choose one of {PROXIMAL}")
-        need(
-            self.proximal == "none" or self.mode == "async",
-            "proximal",
-            "the decoupled objective is for --mode async (there the behaviour policy is the rollout "
-            "worker's); in sync mode use --proximal none",
-        )
-        need(
-            self.proximal == "none" or METHODS[self.method].supports_proximal,
-            "proximal",
-            f"{METHODS[self.method].proximal_note}; use --proximal none",
-        )
-        need(
-            (self.proximal == "held") == (self.proximal_every > 0),
-            "proximal_every" if self.proximal != "held" else "proximal",
-            "--proximal held needs --proximal-every M >= 1, and --proximal-every is for --proximal held only",
-        )
-        need(
-            self.proximal == "none" or not self.micro_batch_size,
-            "proximal",
-            "the decoupled objective takes the whole mini-batch in one forward; drop --micro-batch-size",
-        )
+        check_proximal_options(self, need)
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         self._check_old_logprobs(need)

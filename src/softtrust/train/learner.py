@@ -27,6 +27,7 @@ from softtrust.loss import PolicyLoss
 
 from .config import TrainConfig
 from .distributed import World, full_model_state, full_tensor
+from .proximal import batch_versions, loglinear_alpha
 from .rollout import Evaluation, greedy_evaluation
 from .scoring import LogProbs, Scoring, completion_logprobs_of, row_pieces
 from .staleness import MiniBatch
@@ -45,6 +46,8 @@ class UpdateBatch(NamedTuple):
     completion_length: int  # T
     policy_version: int  # the version of the weights that sampled the rows
     lag: int  # the learner's step minus policy_version
+    minibatch_index: int  # the update's position in its rollout (fetched batch)
+    proximal_logprobs: torch.Tensor | None  # [b, T] pi_prox taken when the batch was fetched
 
     @classmethod
     def of(cls, minibatch: MiniBatch, device: torch.device) -> UpdateBatch:
@@ -64,6 +67,8 @@ class UpdateBatch(NamedTuple):
             batch.completion_length,
             batch.policy_version,
             minibatch.lag,
+            minibatch.minibatch_index,
+            moved(minibatch.proximal_logprobs),
         )
 
 
@@ -229,14 +234,19 @@ class Learner:
     ) -> torch.Tensor:
         """``[b, T]`` log pi_prox for the decoupled objective (AReaL, arXiv 2505.24298).
 
-        ``recompute``: a no-grad forward of the current policy (the weights before this update),
-        scored like the policy. ``held``: the same forward of the snapshot ``hold_proximal`` keeps. ``loglinear``: ``mu + alpha (sg(log pi_theta) - mu)`` with alpha from
-        :func:`loglinear_alpha` (v_mu = step - lag, v_prox = v_theta = step), no forward; with one
-        optimizer step per batch alpha = 1 and the value equals ``recompute``'s."""
-        if self.config.proximal in ("recompute", "held"):
-            model = self.policy if self.config.proximal == "recompute" else self.proximal_model
+        ``recompute``: the no-grad forward of the weights before the fetched batch's first
+        update, taken when it was fetched (``staleness.AsyncBatches.fetched``) and held over its
+        updates, scored like the policy. ``held``: the same forward of the snapshot
+        ``hold_proximal`` keeps. ``loglinear``: ``mu + alpha (sg(log pi_theta) - mu)`` with
+        alpha from :func:`proximal.loglinear_alpha` (``proximal_alpha``), no forward: on a
+        batch's first update alpha = 1 and the value equals ``recompute``'s."""
+        if self.config.proximal == "recompute":
+            if batch.proximal_logprobs is None:  # never silently on-policy
+                raise RuntimeError("--proximal recompute: the mini-batch carries no pi_prox from its fetch")
+            return batch.proximal_logprobs
+        if self.config.proximal == "held":
             with torch.no_grad():
-                return self.logprobs(model, batch, slice(None)).logprobs
+                return self.logprobs(self.proximal_model, batch, slice(None)).logprobs
         return behaviour + proximal_alpha(batch) * (logprobs.detach() - behaviour)
 
     def hold_proximal(self, step: int) -> None:
@@ -314,10 +324,10 @@ class Learner:
         if self.config.effective_old_logprobs == "recompute":
             sampler = batch.sampler_logprobs[:rows].to(old.device)
             metrics["kl_mismatch"] = behaviour_kl(old, sampler, batch.mask[:rows], world)
-        if self.config.proximal != "none":
+        if self.config.proximal != "none":  # alpha; age: the updates since pi_prox's weights
+            _, first, step = batch_versions(batch.policy_version, batch.lag, batch.minibatch_index)
             metrics["proximal/alpha"] = proximal_alpha(batch)
-        if self.config.proximal == "held":  # updates since the snapshot was taken
-            metrics["proximal/age"] = batch.policy_version + batch.lag - self.proximal_step
+            metrics["proximal/age"] = step - (self.proximal_step if self.config.proximal == "held" else first)
         return metrics
 
     def adapt_kl(self, metrics: dict, batch: UpdateBatch) -> dict:
@@ -433,45 +443,11 @@ def global_batch_state(
     return {name: value.to(device) for name, value in state.items()}
 
 
-def loglinear_alpha(behaviour_version: int, proximal_version: int, current_version: int) -> float:
-    """AReaL's interpolation weight ``α = (v_prox − v_μ) / (v_θ − v_μ)`` (arXiv 2505.24298's
-    decoupled objective, AReaL ``prox_logp_method="loglinear"``), so that
-    ``log π_prox ≈ log μ + α·(log π_θ − log μ)`` without a forward of π_prox.
-
-    ``v_θ`` is the version of the weights the learner's forward ran with, ``v_prox`` the
-    version before this optimizer step, ``v_μ`` the behaviour (sampler) version;
-    ``v_μ <= v_prox <= v_θ``. softtrust's trainer takes one optimizer step per batch and
-    runs its forward with the weights before the step, so ``v_θ = v_prox`` and
-    ``α = (v_prox − v_μ)/(v_prox − v_μ) = 1``: ``log π_prox = sg(log π_θ)``, exact. At
-    ``v_μ = v_θ`` (lag 0, ``0/0``) all three policies are one, so every α gives the same
-    value; α = 1 is returned (the limit of the lag > 0 case). AReaL instead labels the
-    training policy ``v_θ = v_prox + 1`` (``current_version − 1`` is its proximal
-    version), which gives ``α = lag/(lag + 1)`` and, when ``π_θ`` is in fact still ``π_prox``,
-    an error ``(log π_prox − log μ)/(lag + 1)`` per token.
-
-    Raises:
-        ValueError: versions not integers >= 0 in the order ``v_μ <= v_prox <= v_θ``.
-    """
-    versions = {"behaviour_version": behaviour_version, "proximal_version": proximal_version}
-    versions["current_version"] = current_version
-    for name, value in versions.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    if not behaviour_version <= proximal_version <= current_version:
-        raise ValueError(
-            f"versions must satisfy behaviour <= proximal <= current, got {behaviour_version}, "
-            f"{proximal_version}, {current_version}"
-        )
-    if current_version == behaviour_version:
-        return 1.0
-    return (proximal_version - behaviour_version) / (current_version - behaviour_version)
-
-
 def proximal_alpha(batch: UpdateBatch) -> float:
     """The decoupled objective's alpha for ``batch``: ``loglinear_alpha`` with v_mu = the rows'
-    version and v_prox = v_theta = the learner's step (so 1; ``recompute`` reports the same)."""
-    step = batch.policy_version + batch.lag
-    return loglinear_alpha(batch.policy_version, step, step)
+    version, v_prox = the step of the fetched batch's first update, v_theta = the learner's step
+    (1 on a batch's first update; ``recompute`` and ``held`` report the same number)."""
+    return loglinear_alpha(*batch_versions(batch.policy_version, batch.lag, batch.minibatch_index))
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -49,10 +49,21 @@ RUN_FILES = (
 )
 
 
+def schedule_parts(config: TrainConfig) -> list[tuple[str, int]]:
+    """The staleness schedule as a run's name and progress line show it: ``[("N", N)]`` in sync
+    mode, ``[("K", K)]`` in async mode and ``("U", U)`` after it for ``--updates-per-batch U > 1``."""
+    if config.mode == "sync":
+        return [("N", config.staleness)]
+    return [("K", config.max_lag)] + (
+        [("U", config.updates_per_batch)] if config.updates_per_batch > 1 else []
+    )
+
+
 def default_run_directory(config: TrainConfig) -> str:
-    """``runs/<UTC time>-<method>-N<N>-seed<seed>-<6 random hex digits>`` (K<K> in async mode)."""
+    """``runs/<UTC time>-<method>-N<N>-seed<seed>-<6 random hex digits>`` (K<K>, and U<U> when
+    U > 1, in async mode)."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    schedule = f"N{config.staleness}" if config.mode == "sync" else f"K{config.max_lag}"
+    schedule = "-".join(f"{name}{value}" for name, value in schedule_parts(config))
     return str(Path("runs") / f"{stamp}-{config.method}-{schedule}-seed{config.seed}-{secrets.token_hex(3)}")
 
 
@@ -259,11 +270,9 @@ class RunLog:
     def progress_bar(self, config: TrainConfig, initial: int):
         """The RL steps' progress: a live bar, or with ``--no-progress`` (a sweep cell) a plain
         line every few steps (``StepLines``), so that a log file fills as the run goes."""
+        schedule = " ".join(f"{name}={value}" for name, value in schedule_parts(config))
         return self.simple_bar(
-            config.max_steps,
-            f"RL {config.method} N={config.staleness} {config.mode}",
-            initial,
-            config.progress,
+            config.max_steps, f"RL {config.method} {schedule} {config.mode}", initial, config.progress
         )
 
     def simple_bar(self, total: int, description: str, initial: int = 0, live: bool = True):

@@ -550,26 +550,28 @@ def build_rollout_source(
     world = world or World()
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mismatch]
     generate = rollout_generator(config, tokenizer, sampler, scorer, world, dtype)
+    scoring = Scoring(config.temperature, config.top_k, config.top_p)  # the policy the learner scores
     if config.mode == "sync":
         return SyncRollouts(
             generate,
             staleness=config.staleness,
             prompts_per_step=config.prompts_per_step,
             group_size=config.group_size,
-            scoring=Scoring(config.temperature, config.top_k, config.top_p),
+            scoring=scoring,
             keep_rollout_logprobs=dtype is not None or config.correction is not None,
             world=world,
             micro_batch_size=config.micro_batch_size,
             old_logprobs=config.effective_old_logprobs,
         )
+    shape = dict(  # async: batches of U x m prompts, taken as U mini-batches at consecutive steps
+        updates_per_batch=config.updates_per_batch,
+        prompts_per_step=config.prompts_per_step,
+        group_size=config.group_size,
+        world=world,
+        proximal=scoring if config.proximal == "recompute" else None,  # pi_prox taken at the fetch
+    )
     if config.lag_schedule:
         return LaggedRollouts(
-            generate,
-            max_lag=config.max_lag,
-            schedule=config.lag_schedule,
-            prompts_per_step=config.prompts_per_step,
-            model=model,
+            generate, max_lag=config.max_lag, schedule=config.lag_schedule, model=model, **shape
         )
-    return AsyncRollouts(
-        generate, max_lag=config.max_lag, prompts_per_step=config.prompts_per_step, model=model
-    )
+    return AsyncRollouts(generate, max_lag=config.max_lag, model=model, **shape)
