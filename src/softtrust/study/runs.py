@@ -49,7 +49,7 @@ def load_run(directory: Path, staleness: int | None = None) -> dict | None:
     rewards and the held-out accuracies as ``[(step, value)]``, the steps whose update was
     skipped as non-finite, one ``{"step", "lag", <DIAGNOSTICS>}`` per step (``step_lag``;
     ``staleness``: the sync N, to derive the lag of runs that did not log it), and the code
-    that made the run (``summary["provenance"]``, ``softtrust._provenance``; None if not recorded),
+    that made the run (``run_provenance``, ``softtrust._provenance``; None if not recorded),
     and the step timing (:func:`step_timing`).
     """
     directory = Path(directory)
@@ -83,7 +83,7 @@ def load_run(directory: Path, staleness: int | None = None) -> dict | None:
             }
             for r in metrics
         ],
-        "provenance": (summary or {}).get("provenance"),
+        "provenance": run_provenance(summary, events),
         "timing": step_timing(metrics),
     }
 
@@ -135,6 +135,15 @@ def checked_summary(path: Path) -> dict | None:
     if not isinstance(summary.get("provenance", {}), (dict, type(None))):
         raise ValueError(f"{path}: 'provenance' is {summary['provenance']!r}; expected an object")
     return summary
+
+
+def run_provenance(summary: dict | None, events: list[dict]) -> dict | None:
+    """The code that made a run: its summary's ``provenance``, else (a run that stopped itself,
+    with no summary) that of its stop event (``RunLog.log_stop``); None when neither recorded it."""
+    if summary is not None and summary.get("provenance") is not None:
+        return summary["provenance"]
+    stops = [event["provenance"] for event in events if isinstance(event.get("provenance"), dict)]
+    return stops[-1] if stops else None
 
 
 def step_timing(metrics: list[dict]) -> dict:

@@ -183,6 +183,12 @@ class RunLog:
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
 
+    def log_stop(self, step: int, message: str) -> None:
+        """The run stops itself (too many non-finite updates; no ``summary.json`` follows): an
+        event with the message and the code that made the run (``provenance``, as the summary
+        has it), so that the study counts the stop as this code's failure."""
+        self.log_event({"step": step, "stopped": message, "provenance": provenance()})
+
     def warn(self, message: str, step: int, once: str | None = None) -> None:
         """One line on stderr (``softtrust train: warning: ...``) and a ``{"warning": ...}`` line
         in ``events.jsonl``: something the user should know that does not stop the run.
