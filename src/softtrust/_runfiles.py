@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -47,6 +48,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_json(path: Path, value, indent: int | None = 2) -> None:
     """``value`` as JSON (NaN allowed), written atomically."""
     atomic_write_text(path, json.dumps(value, indent=indent, allow_nan=True) + "\n")
+
+
+def remove_entries(directory: Path, names) -> None:
+    """Delete ``directory/name`` for each of ``names`` that exists (a file, or a directory with
+    its content): the files a run left that a new run there replaces."""
+    for name in names:
+        path = Path(directory) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def read_text_file(path: Path) -> str:

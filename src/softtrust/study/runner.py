@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from softtrust._runfiles import atomic_write_json, read_json_object
+from softtrust._runfiles import atomic_write_json, read_json_object, remove_entries
 from softtrust._runlock import LOCK_FILE, holding, lock_holder
-from softtrust.train.checkpoint import find_checkpoint
+from softtrust.train.checkpoint import has_complete_checkpoint
 from softtrust.train.runlog import RUN_FILES
 
 from .grid import Cell, Sweep
@@ -64,7 +63,7 @@ def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
             f"{cell.name}: its run directory {str(directory)!r} is in use by {holder} (a cell of an earlier "
             "sweep still running?); wait for it to finish or stop it, then run the sweep again"
         )
-    if not directory.exists() or has_checkpoint(directory):
+    if not directory.exists() or has_complete_checkpoint(directory):
         return
     foreign = sorted(entry.name for entry in directory.iterdir() if entry.name not in UNSTARTED_CELL_FILES)
     if foreign:
@@ -75,29 +74,16 @@ def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
         )
 
 
-def has_checkpoint(directory: Path) -> bool:
-    try:
-        find_checkpoint(directory)
-    except ValueError:
-        return False
-    return True
-
-
 def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
     """Launch one ``softtrust train`` process for ``cell``: it resumes the cell's run from its last
     complete checkpoint; a cell without one starts over, in a directory the sweep clears of its own
     and the trainer's files (``UNSTARTED_CELL_FILES``; ``check_cell_can_start`` refused anything else)."""
     directory = cell.directory(sweep.output_dir)
     config = sweep.cell_config(cell)
-    if has_checkpoint(directory):
+    if has_complete_checkpoint(directory):
         config = config.replace(resume=str(directory))
     elif directory.exists():  # interrupted before its first complete checkpoint
-        for name in UNSTARTED_CELL_FILES:
-            path = directory / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+        remove_entries(directory, UNSTARTED_CELL_FILES)
     directory.mkdir(parents=True, exist_ok=True)
     request = directory / "sweep-cell.yaml"
     request.write_text(config.to_yaml())
