@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import softtrust
 from softtrust.train.data import problems_from_records, read_records
 from softtrust.train.problem import Problem
 from softtrust.train.rewards import RewardSet, extract_final_answer, math_reward
@@ -475,3 +479,25 @@ def test_a_csv_row_with_more_or_fewer_fields_than_the_header_is_refused_naming_f
         {"prompt": "2+2=", "answer": "4"},
         {"prompt": "1,1=", "answer": "2"},
     ]
+
+
+def test_the_installed_command_imports_a_reward_module_from_the_current_directory(micro_model_dir, tmp_path):
+    """Issue 37: ``softtrust train --reward my_rewards:f`` (the console script) could not import
+    ``./my_rewards.py`` (``No module named``), although ``python -m softtrust`` could: the
+    script's ``sys.path`` starts with its ``bin/``, not the current directory."""
+    command = Path(sys.executable).parent / "softtrust"
+    if not command.is_file():
+        pytest.skip(f"no installed softtrust command next to {sys.executable}")
+    (tmp_path / "cwd_rewards.py").write_text("def quarter(completion, answer):\n    return 0.25\n")
+    source = str(Path(softtrust.__file__).resolve().parents[1])  # this checkout's code, not the cwd
+    env = {**os.environ, "PYTHONPATH": source, "OMP_NUM_THREADS": "1"}
+    flags = ["--model", micro_model_dir, "--dataset", str(Path(micro_model_dir) / "sums.jsonl")]
+    flags += ["--reward", "cwd_rewards:quarter", "--max-steps", "1", "--sft-steps", "0", "--eval-size", "8"]
+    flags += ["--eval-every", "0", "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "3"]
+    flags += ["--output-dir", "run", "--no-progress", "--num-threads", "1"]
+    done = subprocess.run(
+        [str(command), "train", *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (metrics,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["reward/mean"] == 0.25  # the module's reward scored the step

@@ -245,7 +245,56 @@ def test_resume_with_no_complete_checkpoint_is_a_clear_error(micro_model_dir, tm
     assert "softtrust train: error: resume: no complete checkpoint under" in err and "Traceback" not in err
     assert main(["train", "--resume", str(tmp_path)]) == 2  # not a run directory
     assert "error: resume:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"has no checkpoint, so it cannot be resumed; choose another"):
+        train(micro_config(micro_model_dir, run, max_steps=1))  # not "resume it": no dead end
     json.loads((run / "summary.json").read_text())  # the run's files are intact
+
+
+def crashed_before_training(run: Path, config: TrainConfig) -> None:
+    """What a run that crashed before its first step leaves (while loading the model, in the warm
+    start or in its first rollout): its config, the warm start's and the first evaluation's events,
+    an empty metrics file and a checkpoint directory with only a save's temporary leftover."""
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(config.to_yaml())
+    old_events = [{"warmstart_steps": 0, "marker": "old run"}, {"step": 0, "eval/accuracy": 0.125}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in old_events))
+    (run / "metrics.jsonl").write_text("")
+    (run / "checkpoints" / ".tmp-step-000001-x").mkdir(parents=True)
+
+
+def test_a_run_that_never_trained_is_no_dead_end(micro_model_dir, tmp_path, capsys):
+    """Issue 37: after a crash before the first checkpoint a new run said "resume it" and the
+    resume "start again in a new dir". A run that never trained a step: the resume says to start
+    again in the same directory, and a new run there takes it over (its old events go)."""
+    run = tmp_path / "run"
+    config = micro_config(micro_model_dir, run, max_steps=2)
+    crashed_before_training(run, config)
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"a new run with --output-dir {run} takes it over" in err
+    summary = train(config)
+    assert summary["steps"] == 2 and [m["step"] for m in read_metrics(run)] == [1, 2]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert not any(e.get("marker") == "old run" for e in events)
+    assert any("never trained a step" in e.get("warning", "") for e in events)
+    assert "softtrust train: warning:" in capsys.readouterr().err
+    assert not (run / "checkpoints" / ".tmp-step-000001-x").exists()
+
+
+def test_a_run_that_trained_without_a_checkpoint_points_to_a_new_directory(micro_model_dir, tmp_path, capsys):
+    """Trained steps but no checkpoint: neither a resume nor a new run in it, and both say so
+    (the new run no longer says "resume it"); its files stay."""
+    run = tmp_path / "run"
+    config = micro_config(micro_model_dir, run, max_steps=2)
+    crashed_before_training(run, config)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "start it again in a new --output-dir" in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match=r"trained 1 step\(s\) and has no checkpoint, so it cannot be resumed"
+    ):
+        train(config)
+    assert (run / "events.jsonl").read_text().count("old run") == 1  # nothing removed
 
 
 # ---------------------------------------------------------------------- checkpoints/latest

@@ -196,6 +196,56 @@ def test_cells_with_a_collapse_are_reported_by_outcome_and_compared_by_the_sign_
     assert "with 6 seeds its smallest p is 0.0312)." in other
 
 
+def stop_cell(directory: Path) -> None:
+    """A run the trainer stopped on non-finite updates after step 5 (exit code 3): its metrics up
+    to there, its evaluations at steps 0 and 4, no summary."""
+    (directory / "summary.json").unlink()
+    metrics = (directory / "metrics.jsonl").read_text().splitlines()
+    (directory / "metrics.jsonl").write_text("\n".join(metrics[:5]) + "\n")
+    events = (directory / "events.jsonl").read_text().splitlines()
+    stop = {"step": 5, "stopped": "stopped at step 5: 3 non-finite losses", "provenance": CODE}  # log_stop
+    (directory / "events.jsonl").write_text("\n".join([*events[:2], json.dumps(stop)]) + "\n")
+    (directory / "sweep-cell.json").write_text(json.dumps({"returncode": 3}))
+
+
+def test_a_run_stopped_on_nonfinite_updates_counts_as_a_failure_in_the_tests(tmp_path):
+    """Issue 36: a stopped run was dropped from the paired tests (favouring the method that
+    collapsed), and a cell whose every run stopped took its tests out of the Holm family. Now it
+    counts accuracy 0 from its last evaluation: final 0, area (trapezoids to step 4 + 0) / 8."""
+    sweep = make_sweep(tmp_path)
+    for seed in range(3):
+        stop_cell(tmp_path / "runs" / "vespo" / "N64" / f"seed{seed}")
+    report = write_report(sweep)
+    (record,) = [r for r in report["records"] if (r["method"], r["N"]) == ("vespo", 64)]
+    area = 4 * (0.3 + 0.35) / 2 / STEPS  # evaluations (0, 0.3), (4, 0.35), then 0 to step 8
+    assert [run["status"] for run in record["runs"]] == ["stopped"] * 3
+    assert [run["final_accuracy"] for run in record["runs"]] == [0.0, 0.0, 0.0]
+    assert [run["auc_accuracy"] for run in record["runs"]] == pytest.approx([area] * 3)
+    assert record["collapsed_runs"] == 3 and record["outcome_based"]
+    entries = {(e["comparison"], e["measure"]): e for e in report["paired"] + report["did"]}
+    final = entries[("vespo − clip at N = 64", "final_accuracy")]
+    assert final["values"] == pytest.approx([-0.40, -0.21, -0.59])
+    assert (final["test"], final["n"], final["p"]) == ("sign", 3, pytest.approx(0.25))
+    clip_area = [(4 * 0.65 / 2 + 4 * (0.35 + f) / 2) / STEPS for f in FINALS[("clip", 64)]]
+    assert entries[("vespo − clip at N = 64", "auc_accuracy")]["values"] == pytest.approx(
+        [area - a for a in clip_area]
+    )
+    did = entries[("(vespo − clip) at N = 64 − at N = 4", "final_accuracy")]
+    assert did["n"] == 3 and did["values"] == pytest.approx(
+        [
+            (0 - v4) - (c64 - c4)
+            for v4, c64, c4 in zip(
+                FINALS[("vespo", 4)], FINALS[("clip", 64)], FINALS[("clip", 4)], strict=True
+            )
+        ]
+    )
+    assert report["holm"]["size"] == 10  # every test stays in the family
+    assert all(entry["p"] is not None for entry in entries.values())
+    text = (tmp_path / "summary.md").read_text()
+    assert "| vespo | 64 | 3 | 0 | 0 | 0: 0.0 × stopped, 1: 0.0 × stopped, 2: 0.0 × stopped | — |" in text
+    assert "A run stopped on non-finite updates counts as a failure" in text
+
+
 def test_diagnostics_against_the_lag_within_a_rollout(tmp_path):
     report = analyse(make_sweep(tmp_path), load_runs(make_sweep(tmp_path / "again")))
     profiles = {(p["method"], p["N"], p["metric"]): p for p in report["lag_profile"]}

@@ -616,6 +616,14 @@ def test_nonfinite_losses_are_skipped_then_stop_with_a_loadable_checkpoint(
     for name, tensor in model.state_dict().items():  # no update was applied
         if name in before:
             torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+    # no summary.json: the stop event records the code, so the study pairs the stop as this code's
+    from softtrust.study.runs import load_run
+
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (stop,) = [event for event in events if "stopped" in event]
+    assert stop["step"] == 3 and "3 non-finite" in stop["stopped"] and "git_commit" in stop["provenance"]
+    assert not (tmp_path / "run" / "summary.json").exists()
+    assert load_run(tmp_path / "run")["provenance"] == stop["provenance"]
 
 
 def model_parameters_from_dir(directory: str) -> dict[str, torch.Tensor]:

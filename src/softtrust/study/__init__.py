@@ -12,7 +12,7 @@ The sweep directory holds:
 | path | content |
 | --- | --- |
 | ``runs/<method>/N<N>/seed<s>/`` | each cell's run directory (see ``docs/training.md``), plus ``train.log`` (its output, filled as it trains: a line every few steps) and ``sweep-cell.json`` (``.../N<N>/lr<lr>/seed<s>/`` with ``--lrs``) |
-| ``sweep.json`` | the grid and the shared overrides |
+| ``sweep.json`` | the grid, the shared overrides and the reference method (``record``: ``--report-only`` reads it) |
 | ``sweep-log.jsonl`` | one line per cell executed (start, end, return code) |
 | ``summary.json`` | one record per method x N: accuracy at the end, at its best, its area under the curve, mean / std / 95 % CI over seeds, collapses; each run's outcome: collapsed, not collapsed (finished its steps) or unfinished (started, no result for the planned steps: interrupted, crashed or still running; named in ``summary.md``, counted as neither; a collapse already seen in it counts, its best so far is not a result) |
 | ``summary.md`` | the table of the VESPO paper's Table 2 layout: rows N, columns methods; the outcome-based cells; the paired tests and differences-in-differences with the Holm adjustment; the diagnostics against the lag; the code of the runs |
@@ -37,8 +37,17 @@ naming them, rather than mixing old and new results in one table.
 
 The collapse criterion (``CollapseCriterion``, applied per run) is documented there.
 
-``--report-only`` rewrites the report from the runs already there; a sweep directory that does
-not exist, or holds no run of the grid given, is an error naming it (exit code 2).
+``--report-only`` rewrites the report from the runs already there, described by the sweep's own
+record (``record``): the grid and shared settings it is not given come from ``sweep.json`` (a
+``--preset``, when named, replaces them), and every cell's ``config.yaml`` must agree with the
+settings the report is built with, ``max_steps`` included, or the report is refused naming the
+settings, the runs' values and the cells. A sweep directory that does not exist, or holds no run
+of the grid given, is an error naming it (exit code 2). So is a damaged run file (a
+``summary.json`` that is not an object with ``steps``, ``accuracy_before`` and ``accuracy_after``,
+a ``metrics.jsonl`` line without a numeric ``reward/mean``, a null ``eval/accuracy``, a line
+that is not JSON): one line naming the file and the line, and the report already there is left
+as it was. It is refused rather than skipped with a warning, so that a report never has fewer
+runs than its directory without saying so; a torn last line (a write cut by a kill) is skipped.
 
 Every run records the code that made it (``summary.json["provenance"]``: git commit, dirty
 flag, package versions); the report refuses to pair runs of different code, naming the
@@ -52,7 +61,8 @@ The package, one job per module:
 | ``grid`` | method specs, axes, cells and each cell's ``TrainConfig`` |
 | ``runner`` | running the cells (processes, resumption, the sweep log) |
 | ``cell`` | one cell's process (``python -m softtrust.study.cell``) |
-| ``runs`` | reading run directories into raw run records |
+| ``runs`` | reading run directories into raw run records (a damaged file: an error naming it) |
+| ``record`` | the sweep's own record (``sweep.json``, the cells' ``config.yaml``) and the settings check |
 | ``analysis`` | a pure function from run records to the report (collapse, outcomes, lr stability, paired tests, differences-in-differences, the lag view, the code check) |
 | ``stats`` | intervals, the paired t and exact sign tests, the Holm adjustment (``scipy.stats``: checked before any cell runs) |
 | ``markdown``, ``plots`` | render the report (nothing else) |

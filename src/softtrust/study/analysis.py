@@ -81,18 +81,42 @@ class CollapseCriterion:
         )
 
 
+def _trapezoids(points: list[tuple[int, float]]) -> float:
+    """Σ (s₁ − s₀)(a₀ + a₁)/2 over consecutive ``(step, accuracy)`` points (sorted)."""
+    return sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in itertools.pairwise(points))
+
+
 def area_under_curve(points: list[tuple[int, float]], max_steps: int) -> float | None:
     """Trapezoid area of accuracy against step (evaluations from step 0 to ``max_steps``),
     divided by the steps spanned: the mean accuracy along the run, in [0, 1]."""
     points = sorted(points)
     if len(points) < 2 or max_steps <= 0:
         return None
-    area = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in itertools.pairwise(points))
-    return area / (points[-1][0] - points[0][0]) if points[-1][0] != points[0][0] else None
+    return _trapezoids(points) / (points[-1][0] - points[0][0]) if points[-1][0] != points[0][0] else None
+
+
+# What a run stopped on non-finite updates (exit code 3: the trainer gave up on it) counts as in
+# the tables and the tests, registered before the confirmation runs (docs/results.md): a failure,
+# accuracy 0 from its last evaluation on. Dropping it instead favoured the method that collapsed,
+# and a cell whose every run stopped left the Holm family.
+STOPPED_ACCURACY = 0.0
+
+
+def stopped_area(points: list[tuple[int, float]], max_steps: int) -> float:
+    """The area (mean accuracy along the run, ``area_under_curve``) of a run that stopped: its
+    evaluations up to its last one, then ``STOPPED_ACCURACY`` to ``max_steps``:
+    ``(Σ trapezoids + 0 · (max_steps − s_last)) / (max_steps − s_first)``; 0 without an evaluation."""
+    points = sorted(points)
+    if not points or max_steps <= points[0][0]:
+        return STOPPED_ACCURACY
+    rest = STOPPED_ACCURACY * max(max_steps - points[-1][0], 0)
+    return (_trapezoids(points) + rest) / (max(max_steps, points[-1][0]) - points[0][0])
 
 
 def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict:
-    """One run's curves and outcome from its raw record (``runs.load_run``).
+    """One run's curves and outcome from its raw record (``runs.load_run``). A run that stopped
+    on non-finite updates has the final accuracy ``STOPPED_ACCURACY`` and the area ``stopped_area``
+    (a failure, counted in the tests); one unfinished for another reason has neither.
 
     ``run``: ``{"run_dir", "summary" (or None), "returncode" (of the cell's process, or None),
     "rewards": [(step, reward)], "accuracies": [(step, accuracy)], "nonfinite_steps": [step]}``.
@@ -111,7 +135,10 @@ def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict
     # a stopped run (the trainer gave up on it) keeps its best, since it will not go on
     after = [(step, value) for step, value in accuracies if step > 0 and (complete or stopped)]
     best_step, best = max(after, key=lambda item: item[1]) if after else (None, None)
-    final = summary["accuracy_after"] if complete else None
+    final = summary["accuracy_after"] if complete else (STOPPED_ACCURACY if stopped else None)
+    area = area_under_curve(accuracies, max_steps) if complete else None
+    if stopped:
+        area = stopped_area(accuracies, max_steps)
     window = max(1, len(rewards) // 10)
     return {
         "run_dir": run["run_dir"],
@@ -124,7 +151,7 @@ def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict
         "final_accuracy": final,
         "best_accuracy": best,
         "best_step": best_step,
-        "auc_accuracy": area_under_curve(accuracies, max_steps) if complete else None,
+        "auc_accuracy": area,
         "final_reward": sum(v for _, v in rewards[-window:]) / window if rewards else None,
         "collapsed": collapsed,
         "collapse_step": collapse_step,
@@ -292,7 +319,8 @@ def paired_differences(report: dict) -> list[dict]:
     test when either cell is outcome-based (some of its runs collapsed: a t-interval
     assumes a unimodal spread). Each entry: ``{"kind": "paired", "comparison", "measure",
     "mean", "std", "ci95", "n", "values", "test", "p", "excludes_zero"}`` (values are
-    fractions; ``n``: the seeds both cells completed). ``excludes_zero`` is the unadjusted
+    fractions; ``n``: the seeds both cells completed or stopped, a stopped run counting as a
+    failure: ``STOPPED_ACCURACY``, ``stopped_area``). ``excludes_zero`` is the unadjusted
     95 % interval; the claim is ``holds`` (``holm_adjust``).
     """
     axis, methods, values = report["axis"], report["methods"], report["staleness"]
@@ -335,7 +363,7 @@ def difference_in_differences(report: dict) -> list[dict]:
     ``DiD_s = (x[ref, N_high, s] − x[ref, N_low, s]) − (x[m, N_high, s] − x[m, N_low, s])``;
     positive: the reference loses less (or gains more). Tested like ``paired_differences``
     (sign test when any of the four cells is outcome-based); a seed counts when all four
-    runs completed. Entries: ``{"kind": "did", "comparison", "measure", ...}``; none with
+    runs completed or stopped (a failure, as there). Entries: ``{"kind": "did", "comparison", "measure", ...}``; none with
     fewer than two N.
     """
     axis, methods, values = report["axis"], report["methods"], report["staleness"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .grid import LR_AXIS_FIELD, Sweep, parse_int_list, parse_lrs, parse_seeds, split_methods
 from .presets import PRESETS
+from .record import record_as_preset
 
 
 def add_sweep_arguments(parser) -> None:
@@ -80,8 +81,11 @@ class UnknownArguments(ValueError):
     """A flag that is neither a sweep flag nor a train flag (reported with the sweep's usage)."""
 
 
-def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
-    """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell)."""
+def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None) -> Sweep:
+    """The ``Sweep`` for the parsed sweep flags plus ``extra`` (any ``train`` flag, shared by every cell).
+
+    The grid and shared settings not given come from the ``--preset`` (default ``full``), or,
+    with no ``--preset``, from ``record`` (a sweep directory's ``sweep.json``: ``--report-only``)."""
     import argparse
 
     from softtrust.train.options import add_config_arguments, config_from_arguments
@@ -106,7 +110,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
         if key in (given | from_file) and key != "config"
     }
     name = arguments.preset or "full"
-    preset = PRESETS[name]
+    preset = PRESETS[name] if record is None or arguments.preset else record_as_preset(record)
     setup = dict(preset["overrides"])
     if arguments.lrs or preset.get("lrs"):  # an lr axis replaces the preset's lr (a given --lr is refused)
         setup.pop(LR_AXIS_FIELD, None)
@@ -123,7 +127,7 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
         methods=split_methods(arguments.methods or preset["methods"]),
         staleness=parse_int_list(axis_text, "staleness"),
         seeds=parse_seeds(arguments.seeds or preset["seeds"]),
-        output_dir=Path(arguments.sweep_dir or Path("sweeps") / name),
+        output_dir=sweep_directory(arguments),
         overrides=overrides,
         jobs=jobs,
         progress=arguments.sweep_progress,
@@ -133,26 +137,41 @@ def sweep_from_arguments(arguments, extra: list[str]) -> Sweep:
     )
 
 
+def sweep_directory(arguments) -> Path:
+    """``--output-dir``, else ``sweeps/<preset>``."""
+    return Path(arguments.sweep_dir or Path("sweeps") / (arguments.preset or "full"))
+
+
+def report_only(arguments, extra: list[str]) -> Sweep:
+    """``--report-only``: rewrite the report of the sweep directory, described by its own record
+    (``record.read_sweep_record``) where the flags leave something out; returns the sweep."""
+    from softtrust._runlock import holding
+
+    from .record import read_sweep_record
+    from .report import rewrite_report
+
+    directory = sweep_directory(arguments)
+    record = read_sweep_record(directory) if directory.is_dir() else None
+    sweep = sweep_from_arguments(arguments, extra, record)
+    if directory.is_dir():  # not while a sweep writes it (a missing one: the report refuses it)
+        with holding(directory, "output_dir", "softtrust sweep"):
+            rewrite_report(sweep)
+    else:
+        rewrite_report(sweep)
+    return sweep
+
+
 def run_sweep_command(arguments, extra: list[str]) -> int:
     """``softtrust sweep``: run the grid (or only rewrite its report); exit 0, 1 (a cell
     failed), 2 (bad arguments) or 130 (interrupted: the same command resumes)."""
-    from softtrust._runlock import holding
-
-    from .report import rewrite_report
     from .runner import run_sweep
 
     try:
-        sweep = sweep_from_arguments(arguments, extra)
         if arguments.report_only:
-            if (
-                sweep.output_dir.is_dir()
-            ):  # not while a sweep writes it (a missing one: the report refuses it)
-                with holding(sweep.output_dir, "output_dir", "softtrust sweep"):
-                    rewrite_report(sweep)
-            else:
-                rewrite_report(sweep)
+            sweep = report_only(arguments, extra)
             print(f"report written to {sweep.output_dir}")
             return 0
+        sweep = sweep_from_arguments(arguments, extra)
         result = run_sweep(sweep)
     except UnknownArguments as error:  # with the sweep's usage, as argparse reports its own flags
         arguments.command_parser.print_usage(sys.stderr)

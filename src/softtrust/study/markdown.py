@@ -49,7 +49,8 @@ def _tests_section(report: dict) -> list[str]:
         f"α = {holm['alpha']:g}. **Bold**: the claim holds after the adjustment. The test is the paired "
         "t-test, or the exact sign test where a cell involved has collapsed runs (outcome-based: the spread "
         f"is bimodal; with {seeds} seeds its smallest p is {smallest:.3g}"
-        + (", so such a comparison cannot hold)." if smallest > holm["alpha"] else ")."),
+        + (", so such a comparison cannot hold)." if smallest > holm["alpha"] else ").")
+        + " A run stopped on non-finite updates counts as a failure: accuracy 0 from its last evaluation on.",
         "",
     ]
     lines += _tests_table(report, "paired", "Paired differences")
@@ -73,7 +74,8 @@ def _outcome_table(report: dict) -> list[str]:
         "",
         "| method | "
         + axis
-        + " | collapsed | not collapsed | unfinished | final accuracy per seed (collapsed marked ×) | "
+        + " | collapsed | not collapsed | unfinished | final accuracy per seed (collapsed marked ×; "
+        "× stopped: stopped on non-finite updates, counted 0) | "
         "final of the runs that did not collapse |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -82,7 +84,9 @@ def _outcome_table(report: dict) -> list[str]:
         per_seed = ", ".join(
             f"{run['seed']}: "
             + ("—" if run["final_accuracy"] is None else f"{100 * run['final_accuracy']:.1f}")
-            + (" ×" if run["collapsed"] else " (unfinished)" if run["outcome"] == "unfinished" else "")
+            + (" × stopped" if run["status"] == "stopped" else "")
+            + (" ×" if run["collapsed"] and run["status"] != "stopped" else "")
+            + (" (unfinished)" if run["outcome"] == "unfinished" else "")
             for run in record["runs"]
         )
         lines.append(

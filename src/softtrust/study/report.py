@@ -11,6 +11,7 @@ from .analysis import CollapseCriterion, analyse, at_lr
 from .grid import Sweep
 from .markdown import markdown_table
 from .plots import plot_curves, plot_final_vs_staleness, plot_lag, plot_lr_stability, plot_paired
+from .record import check_report_settings
 from .runs import load_runs
 
 
@@ -23,13 +24,17 @@ def require_report_dependencies() -> None:
 def rewrite_report(sweep: Sweep) -> dict:
     """``--report-only``: the report of the runs already in the sweep directory. A directory that
     does not exist or holds no run of this grid is a ``ValueError`` naming it, rather than an
-    all-empty report (a mistyped ``--output-dir``, or a grid other than the one that ran)."""
+    all-empty report (a mistyped ``--output-dir``, or a grid other than the one that ran); so are
+    settings other than those the runs were made with (``record.check_report_settings``) and a
+    damaged run file (``runs.load_run`` names the file and the line). Nothing is written then."""
     directory = sweep.output_dir
     if not directory.is_dir():
+        state = "is not a directory" if directory.exists() else "does not exist"
         raise ValueError(
-            f"output_dir: {str(directory)!r} does not exist; --report-only reads the directory of a sweep "
+            f"output_dir: {str(directory)!r} {state}; --report-only reads the directory of a sweep "
             "that has run (give its --output-dir)"
         )
+    check_report_settings(sweep)
     runs = load_runs(sweep)
     if not runs:
         grid = f"{', '.join(sweep.labels)} x {sweep.axis} = {sweep.staleness} x seeds {sweep.seeds}"

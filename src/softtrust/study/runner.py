@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from softtrust._runfiles import atomic_write_json
+from softtrust._runfiles import atomic_write_json, read_json_object, remove_entries
 from softtrust._runlock import LOCK_FILE, holding, lock_holder
-from softtrust.train.checkpoint import find_checkpoint
-from softtrust.train.config import TrainConfig
+from softtrust.train.checkpoint import has_complete_checkpoint
 from softtrust.train.runlog import RUN_FILES
 
 from .grid import Cell, Sweep
+from .record import RUNTIME_SETTINGS, setting_differences, write_sweep_record
 from .report import require_report_dependencies, write_report
 from .runs import EXIT_BAD_CONFIG, EXIT_STOPPED
 
@@ -25,21 +24,20 @@ from .runs import EXIT_BAD_CONFIG, EXIT_STOPPED
 
 def cell_status(directory: Path, max_steps: int) -> str:
     """``done`` (summary.json for max_steps), ``stopped`` (exited on its own), ``partial`` or ``new``."""
-    summary = directory / "summary.json"
-    if summary.is_file():
-        try:
-            if json.loads(summary.read_text()).get("steps") == max_steps:
-                return "done"
-        except json.JSONDecodeError:
-            pass
-    record = directory / "sweep-cell.json"
-    if record.is_file():
-        try:
-            if json.loads(record.read_text()).get("returncode") == EXIT_STOPPED:
-                return "stopped"
-        except json.JSONDecodeError:
-            pass
+    if (read_or_none(directory / "summary.json") or {}).get("steps") == max_steps:
+        return "done"
+    if (read_or_none(directory / "sweep-cell.json") or {}).get("returncode") == EXIT_STOPPED:
+        return "stopped"
     return "partial" if directory.exists() else "new"
+
+
+def read_or_none(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when absent or unreadable (a cell whose record is torn
+    is not done: it resumes, and its run rewrites the file)."""
+    try:
+        return read_json_object(path)
+    except ValueError:
+        return None
 
 
 # What a cell's directory may hold when its run stopped before its first complete checkpoint: the
@@ -72,7 +70,7 @@ def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
             f"{cell.name}: its run directory {str(directory)!r} is in use by {holder} (a cell of an earlier "
             "sweep still running?); wait for it to finish or stop it, then run the sweep again"
         )
-    if not directory.exists() or has_checkpoint(directory):
+    if not directory.exists() or has_complete_checkpoint(directory):
         return
     foreign = sorted(entry.name for entry in directory.iterdir() if not _unstarted(entry.name))
     if foreign:
@@ -83,31 +81,20 @@ def check_cell_can_start(sweep: Sweep, cell: Cell) -> None:
         )
 
 
-def has_checkpoint(directory: Path) -> bool:
-    try:
-        find_checkpoint(directory)
-    except ValueError:
-        return False
-    return True
-
-
 def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
     """Launch one ``softtrust train`` process for ``cell``: it resumes the cell's run from its last
     complete checkpoint; a cell without one starts over, in a directory the sweep clears of its own
     and the trainer's files (``UNSTARTED_CELL_FILES``; ``check_cell_can_start`` refused anything else)."""
     directory = cell.directory(sweep.output_dir)
     config = sweep.cell_config(cell)
-    if has_checkpoint(directory):
+    if has_complete_checkpoint(directory):
         config = config.replace(resume=str(directory))
     elif directory.exists():  # interrupted before its first complete checkpoint
         check_cell_can_start(sweep, cell)  # again: a queued cell waited, an orphan may have woken up
-        for entry in directory.iterdir():
-            if entry.name == LOCK_FILE or not _unstarted(entry.name):
-                continue
-            if entry.is_dir():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink(missing_ok=True)
+        ours = [
+            entry.name for entry in directory.iterdir() if entry.name != LOCK_FILE and _unstarted(entry.name)
+        ]
+        remove_entries(directory, ours)  # never the lock file: deleting a held one lets a second process lock
     directory.mkdir(parents=True, exist_ok=True)
     request = directory / "sweep-cell.yaml"
     request.write_text(config.to_yaml())
@@ -123,18 +110,9 @@ def start_cell(sweep: Sweep, cell: Cell) -> subprocess.Popen:
     return process
 
 
-# Fields that may differ between a cell's saved config and a rerun without changing its result.
-SETTINGS_THAT_DO_NOT_MATTER = (
-    "resume",
-    "output_dir",
-    "progress",
-    "num_threads",
-    "report_to",
-    "save_every",
-    "keep_checkpoints",
-    "cache_dir",
-    "max_steps",  # a longer run resumes the cell from its checkpoint
-)
+# Fields that may differ between a cell's saved config and a rerun without changing its result:
+# how it runs, and max_steps (a longer run resumes the cell from its checkpoint).
+SETTINGS_THAT_DO_NOT_MATTER = (*RUNTIME_SETTINGS, "max_steps")
 
 
 def check_same_settings(sweep: Sweep, cell: Cell) -> None:
@@ -142,13 +120,9 @@ def check_same_settings(sweep: Sweep, cell: Cell) -> None:
     saved = cell.directory(sweep.output_dir) / "config.yaml"
     if not saved.is_file():
         return
-    before = TrainConfig.from_yaml(saved).resolved().to_dict()  # a default means what it resolves to
-    now = sweep.cell_config(cell).resolved().to_dict()
-    changed = sorted(
-        key for key in now if key not in SETTINGS_THAT_DO_NOT_MATTER and before.get(key) != now[key]
-    )
+    changed = setting_differences(saved, sweep.cell_config(cell), SETTINGS_THAT_DO_NOT_MATTER)
     if changed:
-        details = ", ".join(f"{key}: {before.get(key)!r} -> {now[key]!r}" for key in changed)
+        details = ", ".join(f"{key}: {before!r} -> {now!r}" for key, before, now in changed)
         raise ValueError(
             f"{cell.name} in {sweep.output_dir} was run with other settings ({details}); "
             "use another --output-dir or the same settings"
@@ -169,17 +143,7 @@ def run_sweep(sweep: Sweep) -> dict:
 def run_locked_sweep(sweep: Sweep) -> dict:
     """``run_sweep`` once the sweep directory is this process's."""
     max_steps = sweep.max_steps
-    atomic_write_json(
-        sweep.output_dir / "sweep.json",
-        {
-            "methods": sweep.labels,
-            "staleness": sweep.staleness,
-            "seeds": sweep.seeds,
-            "axis": sweep.axis,
-            "lrs": sweep.lrs,
-            "overrides": sweep.overrides,
-        },
-    )
+    write_sweep_record(sweep)
     for n in sweep.staleness:
         if sweep.mode == "sync" and max_steps % n:
             print(

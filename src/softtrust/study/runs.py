@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from softtrust._runfiles import read_jsonl
+from softtrust._runfiles import jsonl_records, read_json_object
 
 from .grid import Cell, Sweep
 
@@ -50,22 +49,25 @@ def load_run(directory: Path, staleness: int | None = None) -> dict | None:
     rewards and the held-out accuracies as ``[(step, value)]``, the steps whose update was
     skipped as non-finite, one ``{"step", "lag", <DIAGNOSTICS>}`` per step (``step_lag``;
     ``staleness``: the sync N, to derive the lag of runs that did not log it), and the code
-    that made the run (``summary["provenance"]``, ``softtrust._provenance``; None if not recorded),
+    that made the run (``run_provenance``, ``softtrust._provenance``; None if not recorded),
     and the step timing (:func:`step_timing`).
     """
     directory = Path(directory)
-    metrics = read_jsonl(directory / "metrics.jsonl")
-    events = read_jsonl(directory / "events.jsonl")
-    summary_path = directory / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    metrics = checked_lines(directory / "metrics.jsonl", ("reward/mean",))
+    events = checked_lines(directory / "events.jsonl", ())
+    summary = checked_summary(directory / "summary.json")
     evaluations = {}
     for record in events + metrics:
         if "eval/accuracy" in record:
             evaluations[int(record["step"])] = float(record["eval/accuracy"])
     if not metrics and not evaluations:
         return None
-    record_path = directory / "sweep-cell.json"
-    returncode = json.loads(record_path.read_text()).get("returncode") if record_path.is_file() else None
+    cell = read_json_object(directory / "sweep-cell.json") or {}
+    returncode = cell.get("returncode")
+    if returncode is not None and not is_integer(returncode):
+        raise ValueError(
+            f"{directory / 'sweep-cell.json'}: 'returncode' is {returncode!r}; expected the cell's exit code"
+        )
     return {
         "run_dir": str(directory),
         "summary": summary,
@@ -81,9 +83,67 @@ def load_run(directory: Path, staleness: int | None = None) -> dict | None:
             }
             for r in metrics
         ],
-        "provenance": (summary or {}).get("provenance"),
+        "provenance": run_provenance(summary, events),
         "timing": step_timing(metrics),
     }
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def checked_lines(path: Path, required: tuple[str, ...]) -> list[dict]:
+    """The records of a run's JSONL file as the report reads them: each line a JSON object; a
+    number under each of ``required`` and under ``eval/accuracy`` where present, and then an
+    integer ``step`` >= 0 (events without one, e.g. the warm start's, are kept as they are);
+    anything else (and a line that is not JSON, but for a torn last line) is a ``ValueError``
+    naming the file, the line and the field (``_runfiles.jsonl_records``)."""
+    records = []
+    for number, record in jsonl_records(path, strict=True):
+        where = f"{path}, line {number}"
+        read = (*required, *(("eval/accuracy",) if "eval/accuracy" in record else ()))
+        step = record.get("step")
+        if read and not (is_integer(step) and step >= 0):
+            found = "missing" if "step" not in record else repr(step)
+            raise ValueError(f"{where}: 'step' is {found}; expected an integer >= 0")
+        for key in read:
+            if not is_number(record.get(key)):
+                found = "missing" if key not in record else repr(record[key])
+                raise ValueError(f"{where}: {key!r} is {found}; expected a number")
+        records.append(record)
+    return records
+
+
+SUMMARY_NUMBERS = ("accuracy_before", "accuracy_after")
+
+
+def checked_summary(path: Path) -> dict | None:
+    """A finished run's ``summary.json`` (None if absent): an object with an integer ``steps``
+    and numbers under ``SUMMARY_NUMBERS``, else a ``ValueError`` naming the file and the field."""
+    summary = read_json_object(path)
+    if summary is None:
+        return None
+    if not is_integer(summary.get("steps")):
+        raise ValueError(f"{path}: 'steps' is {summary.get('steps', 'missing')!r}; expected an integer")
+    for key in SUMMARY_NUMBERS:
+        if not is_number(summary.get(key)):
+            raise ValueError(f"{path}: {key!r} is {summary.get(key, 'missing')!r}; expected a number")
+    if not isinstance(summary.get("provenance", {}), (dict, type(None))):
+        raise ValueError(f"{path}: 'provenance' is {summary['provenance']!r}; expected an object")
+    return summary
+
+
+def run_provenance(summary: dict | None, events: list[dict]) -> dict | None:
+    """The code that made a run: its summary's ``provenance``, else (a run that stopped itself,
+    with no summary) that of its stop event (``RunLog.log_stop``); None when neither recorded it."""
+    if summary is not None and summary.get("provenance") is not None:
+        return summary["provenance"]
+    stops = [event["provenance"] for event in events if isinstance(event.get("provenance"), dict)]
+    return stops[-1] if stops else None
 
 
 def step_timing(metrics: list[dict]) -> dict:

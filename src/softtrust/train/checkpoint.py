@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_model, save_file, save_model
 
-from softtrust._runfiles import atomic_write_text, fsync_directory
+from softtrust._runfiles import atomic_write_text, fsync_directory, read_jsonl
 
 from .distributed import full_optimizer_state, load_full_model_state, load_full_optimizer_state
 
@@ -127,11 +127,35 @@ def find_checkpoint(path: str | Path) -> Path:
             return named
     complete = _complete_checkpoints(root)
     if not complete:
+        if never_trained(path):
+            remedy = (
+                f"it never trained a step, so start it again in the same directory: a new run with "
+                f"--output-dir {path} takes it over"
+            )
+        else:
+            remedy = "start it again in a new --output-dir"
         raise ValueError(
-            f"resume: no complete checkpoint under {str(path)!r} (the run stopped before its first save); "
-            "start it again in a new --output-dir"
+            f"resume: no complete checkpoint under {str(path)!r} (the run stopped before its first save); {remedy}"
         )
     return complete[-1]
+
+
+def has_complete_checkpoint(run_directory: Path) -> bool:
+    """Whether ``run_directory/checkpoints`` holds a complete checkpoint (one a resume loads)."""
+    return bool(_complete_checkpoints(Path(run_directory) / "checkpoints"))
+
+
+def never_trained(run_directory: Path) -> bool:
+    """A run directory whose run stopped before its first optimizer step: no metrics line, no
+    complete checkpoint, no ``summary.json`` nor ``final/`` (it crashed while loading the model,
+    in the warm start or in its first rollout). Nothing in it is lost when a new run replaces it."""
+    directory = Path(run_directory)
+    return not (
+        read_jsonl(directory / "metrics.jsonl")
+        or has_complete_checkpoint(directory)
+        or (directory / "summary.json").exists()
+        or (directory / "final").exists()
+    )
 
 
 def latest_name(latest: Path) -> str:

@@ -25,7 +25,9 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -166,6 +168,16 @@ def raw_prompt(prompt):
     return [{"role": role, "content": content} for role, content in prompt]
 
 
+def current_directory_importable() -> None:
+    """Put the current directory first on ``sys.path`` when it is not there, as ``python -m``
+    and ``python script.py``'s directory do: the installed ``softtrust`` command starts with
+    its own ``bin/`` there instead, so ``--reward my_rewards:f`` could not import
+    ``./my_rewards.py`` from it (it could with ``python -m softtrust``)."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def load_function(spec: str, own: dict[str, Callable] | None = None) -> Callable:
     """A built-in reward by name, one of the task's ``own`` (``task``: a reasoning-gym
     generator's score), or ``module:function``."""
@@ -176,6 +188,7 @@ def load_function(spec: str, own: dict[str, Callable] | None = None) -> Callable
         hint = "" if own else " ('task' is a reasoning-gym generator's score, for --task reasoning-gym:NAME)"
         raise ValueError(f"reward: expected {', '.join(named)} or 'module:function', got {spec!r}{hint}")
     module_name, _, function_name = spec.partition(":")
+    current_directory_importable()
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:

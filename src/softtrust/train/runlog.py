@@ -5,7 +5,7 @@ A run directory is owned by one run, and written by one live process at a time (
 ``_runlock.DirectoryLock`` from ``RunLog.open`` to ``RunLog.close``; a killed owner's lock is
 taken over with a note). A new run refuses a directory that already holds a run's files
 (``RUN_FILES``) or lies inside another run's directory, and says how to resume it or where else
-to go; the default name (``runs/<time>-<method>-N<N>-seed<seed>-<random>``) cannot collide. A resumed run
+to go (a run that never trained a step is taken over instead: it cannot be resumed); the default name (``runs/<time>-<method>-N<N>-seed<seed>-<random>``) cannot collide. A resumed run
 writes into the directory it resumes (whatever ``output_dir`` its config recorded), keeps
 its metrics up to the checkpoint and drops any logged after it (they are logged again).
 Under ``torchrun`` only rank 0 writes; the other ranks hold a silent ``RunLog``.
@@ -26,9 +26,10 @@ import yaml
 
 from softtrust._optional import MissingDependency, pyplot
 from softtrust._provenance import provenance
-from softtrust._runfiles import atomic_write_text, read_jsonl, trailing_mean
+from softtrust._runfiles import atomic_write_text, read_jsonl, remove_entries, trailing_mean
 from softtrust._runlock import DirectoryLock
 
+from .checkpoint import has_complete_checkpoint, never_trained
 from .config import TrainConfig
 from .distributed import World
 
@@ -82,9 +83,17 @@ def is_run_directory(directory: Path) -> bool:
     return True
 
 
-def check_new_run_directory(directory: Path) -> None:
+# What a run that never trained leaves that a new run in its directory replaces (``config.yaml``
+# is rewritten): its events (warm start, the evaluation before RL), samples, an empty metrics
+# file, TensorBoard events and a checkpoint directory without a complete checkpoint.
+UNTRAINED_RUN_FILES = ("events.jsonl", "samples.jsonl", "metrics.jsonl", "tensorboard", "checkpoints")
+
+
+def check_new_run_directory(directory: Path) -> bool:
     """Refuse a directory that already holds a run (``RUN_FILES``) or lies inside one (its pruning
-    or a resume would delete or mix with the new run), naming how to go on."""
+    or a resume would delete or mix with the new run), naming how to go on. A run that never
+    trained a step (``checkpoint.never_trained``: it crashed before, and cannot be resumed) is not
+    refused: returns True, and the new run takes its directory over (``take_over_untrained``)."""
     if directory.is_file():
         raise ValueError(f"output_dir: {str(directory)!r} is a file, not a directory")
     for parent in directory.resolve().parents:
@@ -94,30 +103,51 @@ def check_new_run_directory(directory: Path) -> None:
                 "checkpoint pruning and resumes would delete or mix with it; choose a directory outside it"
             )
     found = sorted(name for name in RUN_FILES if (directory / name).exists())
-    if found:
+    if not found:
+        return False
+    if never_trained(directory):
+        return True
+    if not has_complete_checkpoint(directory):
         raise ValueError(
-            f"output_dir: {str(directory)!r} already holds a run ({', '.join(found)}); resume it with "
-            f"--resume {directory}, or choose another --output-dir (or none, for a new unique one)"
+            f"output_dir: {str(directory)!r} already holds a run ({', '.join(found)}) that trained "
+            f"{len(read_jsonl(directory / 'metrics.jsonl'))} step(s) and has no checkpoint, so it cannot be "
+            "resumed; choose another --output-dir (or none, for a new unique one), or move its files away"
         )
+    raise ValueError(
+        f"output_dir: {str(directory)!r} already holds a run ({', '.join(found)}); resume it with "
+        f"--resume {directory}, or choose another --output-dir (or none, for a new unique one)"
+    )
+
+
+def take_over_untrained(directory: Path) -> str:
+    """Remove what a run that never trained left (``UNTRAINED_RUN_FILES``) for the new run in its
+    directory; returns the note the new run gives."""
+    remove_entries(directory, UNTRAINED_RUN_FILES)
+    return (
+        f"{directory} held a run that never trained a step (no metrics, no checkpoint); "
+        "this run replaces its files"
+    )
 
 
 def lock_run_directory(directory: Path, new: bool) -> tuple[DirectoryLock, str | None]:
     """Create ``directory`` if needed and take its lock (a ``ValueError`` naming the live owner
     otherwise); a ``new`` run's directory is checked before and, under the lock, again (two new
-    runs started at once into one directory: the second is refused). Returns the lock and the
-    note of a takeover from a killed owner (or None)."""
+    runs started at once into one directory: the second is refused), and a run there that never
+    trained is replaced (``take_over_untrained``). Returns the lock and a note to give the user:
+    a takeover from a killed owner or of a run that never trained (or None)."""
     if new:
         check_new_run_directory(directory)
     directory.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(directory, "output_dir")
-    took_over = lock.acquire()
+    note = lock.acquire()
     if new:
         try:
-            check_new_run_directory(directory)
+            if check_new_run_directory(directory):
+                note = "; ".join(filter(None, [note, take_over_untrained(directory)]))
         except ValueError:
             lock.release()
             raise
-    return lock, took_over
+    return lock, note
 
 
 class RunLog:
@@ -216,6 +246,12 @@ class RunLog:
             self.last_postfix["acc"] = f"{record['eval/accuracy']:.3f}"
         with open(self.events_path, "a") as handle:
             handle.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+    def log_stop(self, step: int, message: str) -> None:
+        """The run stops itself (too many non-finite updates; no ``summary.json`` follows): an
+        event with the message and the code that made the run (``provenance``, as the summary
+        has it), so that the study counts the stop as this code's failure."""
+        self.log_event({"step": step, "stopped": message, "provenance": provenance()})
 
     def warn(self, message: str, step: int, once: str | None = None) -> None:
         """One line on stderr (``softtrust train: warning: ...``) and a ``{"warning": ...}`` line

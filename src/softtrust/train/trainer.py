@@ -179,11 +179,13 @@ def log_evaluate_checkpoint(
     run.log_step(metrics, progress)
     if state.nonfinite_in_a_row >= config.max_nonfinite:
         save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
-        raise TrainingStopped(
+        message = (
             f"stopped at step {state.step}: {state.nonfinite_in_a_row} non-finite losses or gradients "
             f"in a row (max_nonfinite={config.max_nonfinite}); the last checkpoint is in "
             f"{run.directory / 'checkpoints'}"
         )
+        run.log_stop(state.step, message)
+        raise TrainingStopped(message)
     if config.save_every and state.step % config.save_every == 0:
         save_state(run.directory, state, config.to_yaml(), config.keep_checkpoints)
 
