@@ -211,13 +211,14 @@ def stop_cell(directory: Path) -> None:
 def test_a_run_stopped_on_nonfinite_updates_counts_as_a_failure_in_the_tests(tmp_path):
     """Issue 36: a stopped run was dropped from the paired tests (favouring the method that
     collapsed), and a cell whose every run stopped took its tests out of the Holm family. Now it
-    counts accuracy 0 from its last evaluation: final 0, area (trapezoids to step 4 + 0) / 8."""
+    counts as registered (docs/preregistration.md): final 0, accuracy 0 at every evaluation after
+    the stop, so area = (trapezoids to step 4, then to (8, 0)) / 8."""
     sweep = make_sweep(tmp_path)
     for seed in range(3):
         stop_cell(tmp_path / "runs" / "vespo" / "N64" / f"seed{seed}")
     report = write_report(sweep)
     (record,) = [r for r in report["records"] if (r["method"], r["N"]) == ("vespo", 64)]
-    area = 4 * (0.3 + 0.35) / 2 / STEPS  # evaluations (0, 0.3), (4, 0.35), then 0 to step 8
+    area = (4 * (0.3 + 0.35) / 2 + 4 * 0.35 / 2) / STEPS  # evaluations (0, 0.3), (4, 0.35), then (8, 0)
     assert [run["status"] for run in record["runs"]] == ["stopped"] * 3
     assert [run["final_accuracy"] for run in record["runs"]] == [0.0, 0.0, 0.0]
     assert [run["auc_accuracy"] for run in record["runs"]] == pytest.approx([area] * 3)

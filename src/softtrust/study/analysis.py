@@ -96,21 +96,26 @@ def area_under_curve(points: list[tuple[int, float]], max_steps: int) -> float |
 
 
 # What a run stopped on non-finite updates (exit code 3: the trainer gave up on it) counts as in
-# the tables and the tests, registered before the confirmation runs (docs/results.md): a failure,
-# accuracy 0 from its last evaluation on. Dropping it instead favoured the method that collapsed,
-# and a cell whose every run stopped left the Holm family.
+# the tables and the tests, registered before the confirmation runs (docs/preregistration.md): a
+# failure, final accuracy 0 and accuracy 0 at every evaluation after the stop. Dropping it instead
+# favoured the method that collapsed, and a cell whose every run stopped left the Holm family.
 STOPPED_ACCURACY = 0.0
 
 
 def stopped_area(points: list[tuple[int, float]], max_steps: int) -> float:
     """The area (mean accuracy along the run, ``area_under_curve``) of a run that stopped: its
-    evaluations up to its last one, then ``STOPPED_ACCURACY`` to ``max_steps``:
-    ``(Σ trapezoids + 0 · (max_steps − s_last)) / (max_steps − s_first)``; 0 without an evaluation."""
+    evaluations up to its last one, then ``STOPPED_ACCURACY`` at every later evaluation of its
+    schedule (the spacing of its first two evaluations; one more point at ``max_steps`` if the
+    schedule misses it), trapezoids over all of them divided by the steps spanned; 0 without an
+    evaluation."""
     points = sorted(points)
     if not points or max_steps <= points[0][0]:
         return STOPPED_ACCURACY
-    rest = STOPPED_ACCURACY * max(max_steps - points[-1][0], 0)
-    return (_trapezoids(points) + rest) / (max(max_steps, points[-1][0]) - points[0][0])
+    every = points[1][0] - points[0][0] if len(points) > 1 else max_steps - points[0][0]
+    padded = points + [(s, STOPPED_ACCURACY) for s in range(points[-1][0] + every, max_steps + 1, every)]
+    if padded[-1][0] < max_steps:
+        padded.append((max_steps, STOPPED_ACCURACY))
+    return _trapezoids(padded) / (padded[-1][0] - padded[0][0])
 
 
 def run_outcome(run: dict, max_steps: int, criterion: CollapseCriterion) -> dict:

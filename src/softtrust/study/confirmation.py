@@ -24,12 +24,12 @@ import math
 import subprocess
 from pathlib import Path
 
-from .analysis import CollapseCriterion, area_under_curve, run_outcome
+from .analysis import CollapseCriterion, run_outcome
 from .runs import load_run
 from .stats import ALPHA, holm, mean_std_ci, paired_t_test, sign_test
 
 MARGIN = 0.03  # the equivalence margin of H4 and S1: ±3 points
-MAX_STEPS, EVAL_EVERY = 256, 16  # STUDY_SETUP's
+MAX_STEPS = 256  # STUDY_SETUP's
 DECOUPLED = (
     "clip-proximal=held-proximal_every=16"  # the cell directory of clip[proximal=held,proximal_every=16]
 )
@@ -40,18 +40,13 @@ MIS = "clip-correction=mis"
 Key = tuple[str, int, int]
 
 
-def registered_values(outcome: dict, max_steps: int = MAX_STEPS, every: int = EVAL_EVERY) -> dict:
-    """``{"final", "area", "failed"}`` of one run (``analysis.run_outcome``) under the registration;
-    ``failed``: stopped or collapsed (the comparison then takes the sign test). None values: no value."""
+def registered_values(outcome: dict) -> dict:
+    """``{"final", "area", "failed"}`` of one run (``analysis.run_outcome``) under the registration:
+    a completed run's measured values; a stopped run's registered ones (``analysis.STOPPED_ACCURACY``
+    final, ``analysis.stopped_area``), which ``run_outcome`` already gives; ``failed``: stopped or
+    collapsed (the comparison then takes the sign test). None values: no value (unfinished)."""
     failed = outcome["status"] == "stopped" or bool(outcome["collapsed"])
-    if outcome["status"] == "complete":
-        return {"final": outcome["final_accuracy"], "area": outcome["auc_accuracy"], "failed": failed}
-    if outcome["status"] != "stopped":
-        return {"final": None, "area": None, "failed": failed}
-    points = sorted(outcome["curves"]["accuracy"])
-    last = points[-1][0] if points else -every
-    points += [(step, 0.0) for step in range(last + every, max_steps + 1, every)]
-    return {"final": 0.0, "area": area_under_curve(points, max_steps), "failed": True}
+    return {"final": outcome["final_accuracy"], "area": outcome["auc_accuracy"], "failed": failed}
 
 
 REGISTRATION = "e767df9"  # the commit of docs/preregistration.md: every counted cell descends from it
@@ -82,7 +77,7 @@ def load_outcomes(
         if reason is not None:
             excluded.append(f"{seed_dir}: {reason}")
             continue
-        values[key] = registered_values(run_outcome(run, max_steps, criterion), max_steps)
+        values[key] = registered_values(run_outcome(run, max_steps, criterion))
     return values
 
 
@@ -217,7 +212,7 @@ def markdown(family: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--sync", required=True, type=Path, help="the sync presets' sweep directory")
     parser.add_argument("--async", dest="asynchronous", required=True, type=Path, help="the async presets'")
