@@ -139,7 +139,7 @@ def test_the_command_refuses_a_missing_directory_and_writes_the_tables(tmp_path,
     (tmp_path / "async").mkdir()
     with pytest.raises(SystemExit) as error:
         c.main(["--sync", str(tmp_path / "nope"), "--async", str(tmp_path / "async")])
-    assert error.value.code == 2 and "--sync" in capsys.readouterr().err
+    assert error.value.code == 2 and "--sync: " in capsys.readouterr().err
     out = tmp_path / "tables.md"
     assert (
         c.main(["--sync", str(tmp_path / "sync"), "--async", str(tmp_path / "async"), "--output", str(out)])
@@ -175,9 +175,9 @@ def test_only_registered_seeds_of_descendant_commits_count(tmp_path):
     values = c.load_outcomes(tmp_path, excluded=excluded)
     assert list(values) == [("clip", 4, 5)]
     reasons = "\n".join(excluded)
-    assert "seed0: seed 0 is not a registered seed" in reasons
-    assert f"seed6: commit {older[:12]} does not descend from the registration" in reasons
-    assert "seed7: no recorded commit" in reasons
+    assert "clip N=4 seed 0: seed 0 is not a registered seed" in reasons
+    assert f"clip N=4 seed 6: commit {older[:12]} does not descend from the registration" in reasons
+    assert "clip N=4 seed 7: no recorded commit" in reasons
 
 
 def test_a_failed_run_switches_the_test_for_its_cell_even_when_its_seed_does_not_pair(tmp_path):
@@ -189,3 +189,32 @@ def test_a_failed_run_switches_the_test_for_its_cell_even_when_its_seed_does_not
     h4 = c.primary_family(values, {})[3]
     assert h4["n"] == 9 and h4["p"] == 1.0 and not h4["holds"]
     assert "not testable" in h4["note"]
+
+
+def test_the_exported_per_cell_data_gives_the_same_tables(tmp_path, capsys):
+    """docs/data/ (issue 36 item 4): --export writes each run's registered values, curves, commit
+    and settings; the analysis reads that file exactly as it reads the sweep directory."""
+    import json
+
+    for (slug, n), level in LEVELS.items():
+        for seed in SEEDS:
+            write_cell(
+                tmp_path / "sweep",
+                slug,
+                "N",
+                n,
+                seed,
+                level,
+                stopped_at=48 if seed == 6 and slug == "dppo" else None,
+            )
+    data = tmp_path / "data" / "confirm.json"
+    assert c.main(["--export", str(tmp_path / "sweep"), str(data)]) == 0
+    records = json.loads(data.read_text())
+    assert len(records) == len(LEVELS) * 10 and data.stat().st_size < 200_000
+    stopped = next(r for r in records if (r["cell"], r["seed"]) == ("dppo", 6))
+    assert stopped["status"] == "stopped" and stopped["final"] == 0.0 and len(stopped["reward"]) == 48
+    from_files = c.load_outcomes(data, registration=None)
+    assert from_files == c.load_outcomes(tmp_path / "sweep", registration=None)
+    assert c.primary_family(from_files, {}) == c.primary_family(
+        c.load_outcomes(tmp_path / "sweep", registration=None), {}
+    )

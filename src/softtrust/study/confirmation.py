@@ -15,14 +15,19 @@ secondary one (S1, S2) are each adjusted by Holm at α = 0.05.
 
     python -m softtrust.study.confirmation --sync sweeps/confirm --async sweeps/confirm-async \\
         [--mismatch sweeps/confirm-mismatch] [--output docs/confirmation.md]
+    python -m softtrust.study.confirmation --export sweeps/confirm docs/data/confirm.json  # per-cell data
+    python -m softtrust.study.confirmation --sync docs/data/confirm.json --async docs/data/confirm-async.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
 from pathlib import Path
+
+import yaml
 
 from .analysis import CollapseCriterion, run_outcome
 from .runs import load_run
@@ -40,44 +45,64 @@ MIS = "clip-correction=mis"
 Key = tuple[str, int, int]
 
 
-def registered_values(outcome: dict) -> dict:
-    """``{"final", "area", "failed"}`` of one run (``analysis.run_outcome``) under the registration:
-    a completed run's measured values; a stopped run's registered ones (``analysis.STOPPED_ACCURACY``
-    final, ``analysis.stopped_area``), which ``run_outcome`` already gives; ``failed``: stopped or
-    collapsed (the comparison then takes the sign test). None values: no value (unfinished)."""
-    failed = outcome["status"] == "stopped" or bool(outcome["collapsed"])
-    return {"final": outcome["final_accuracy"], "area": outcome["auc_accuracy"], "failed": failed}
-
-
 REGISTRATION = "e767df9"  # the commit of docs/preregistration.md: every counted cell descends from it
 SEEDS = tuple(range(5, 15))  # the registered seeds
 
 
-def load_outcomes(
-    sweep_dir: Path,
-    max_steps: int = MAX_STEPS,
-    registration: str | None = REGISTRATION,
-    excluded: list[str] | None = None,
-) -> dict[Key, dict]:
-    """Every run under ``sweep_dir/runs/<slug>/<N|K><value>/seed<s>`` of a registered seed whose
-    recorded commit descends from ``registration`` (None: no check), as registered values.
-    ``excluded`` receives a line for every run left out (another seed, another commit, no record
-    of its code, a commit git cannot check)."""
-    values, criterion = {}, CollapseCriterion()
-    excluded = [] if excluded is None else excluded
+def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:
+    """One compact record per run under ``sweep_dir/runs/<slug>/<N|K><value>/seed<s>`` (the per-cell
+    data of ``docs/data/``, issue 36 item 4): the cell, its status and collapse, the registered
+    ``final`` and ``area``, the evaluation curve, the reward per step, the recorded commit and the
+    settings that define the cell (its ``config.yaml`` without paths and display fields)."""
+    records, criterion = [], CollapseCriterion()
     for seed_dir in sorted(Path(sweep_dir).glob("runs/*/*/seed*")):
         run = load_run(seed_dir)
         if run is None:
             continue
-        slug, axis_dir = seed_dir.parent.parent.name, seed_dir.parent.name
-        key = (slug, int(axis_dir.lstrip("NK").split("-")[0]), int(seed_dir.name.removeprefix("seed")))
+        outcome = run_outcome(run, max_steps, criterion)
+        axis_dir = seed_dir.parent.name
+        settings = {}
+        if (seed_dir / "config.yaml").is_file():
+            settings = yaml.safe_load((seed_dir / "config.yaml").read_text()) or {}
+        records.append({
+            "cell": seed_dir.parent.parent.name, "axis": axis_dir[0], "value": int(axis_dir[1:].split("-")[0]),
+            "seed": int(seed_dir.name.removeprefix("seed")), "status": outcome["status"],
+            "collapsed": bool(outcome["collapsed"]), "final": outcome["final_accuracy"], "area": outcome["auc_accuracy"],
+            "accuracy": [list(point) for point in run["accuracies"]], "reward": [value for _, value in run["rewards"]],
+            "commit": (run.get("provenance") or {}).get("git_commit"),
+            "settings": {k: v for k, v in settings.items() if k not in _NOT_SETTINGS},
+        })  # fmt: skip
+    return records
+
+
+_NOT_SETTINGS = ("output_dir", "resume", "progress", "cache_dir", "report_to", "num_threads", "device")
+
+
+def load_outcomes(
+    source: Path,
+    max_steps: int = MAX_STEPS,
+    registration: str | None = REGISTRATION,
+    excluded: list[str] | None = None,
+) -> dict[Key, dict]:
+    """The registered values of every run of a registered seed whose recorded commit descends from
+    ``registration`` (None: no check). ``source``: a sweep directory, or the JSON file its
+    ``cell_records`` were exported to (``docs/data/``): the same values either way. ``excluded``
+    receives a line for every run left out (another seed, another commit, no recorded commit, a
+    commit git cannot check)."""
+    source = Path(source)
+    records = json.loads(source.read_text()) if source.is_file() else cell_records(source, max_steps)
+    values = {}
+    excluded = [] if excluded is None else excluded
+    for record in records:
+        key = (record["cell"], record["value"], record["seed"])
         reason = f"seed {key[2]} is not a registered seed" if key[2] not in SEEDS else None
         if reason is None and registration is not None:
-            reason = lineage_problem(run.get("provenance"), registration)
+            reason = lineage_problem({"git_commit": record["commit"]}, registration)
         if reason is not None:
-            excluded.append(f"{seed_dir}: {reason}")
+            excluded.append(f"{record['cell']} {record['axis']}={key[1]} seed {key[2]}: {reason}")
             continue
-        values[key] = registered_values(run_outcome(run, max_steps, criterion))
+        failed = record["status"] == "stopped" or record["collapsed"]
+        values[key] = {"final": record["final"], "area": record["area"], "failed": failed}
     return values
 
 
@@ -214,15 +239,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--sync", required=True, type=Path, help="the sync presets' sweep directory")
-    parser.add_argument("--async", dest="asynchronous", required=True, type=Path, help="the async presets'")
-    parser.add_argument("--mismatch", type=Path, help="S2's sweep directory, when it ran")
+    parser.add_argument("--sync", type=Path, help="the sync presets' sweep directory (or its exported data)")
+    parser.add_argument("--async", dest="asynchronous", type=Path, help="the async presets' (or their data)")
+    parser.add_argument("--mismatch", type=Path, help="S2's sweep directory (or its data), when it ran")
     parser.add_argument("--output", type=Path, help="also write the tables to this Markdown file")
+    parser.add_argument(
+        "--export", nargs=2, type=Path, metavar=("SWEEP_DIR", "FILE"),
+        help="write the sweep's per-cell data (docs/data/) to FILE as JSON, and nothing else",
+    )  # fmt: skip
     arguments = parser.parse_args(argv)
+    if arguments.export:
+        sweep_dir, target = arguments.export
+        if not sweep_dir.is_dir():
+            parser.error(f"--export: {str(sweep_dir)!r} is not a directory")
+        records = cell_records(sweep_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(records, separators=(",", ":")) + "\n")
+        print(f"{len(records)} runs written to {target}")
+        return 0
+    if arguments.sync is None or arguments.asynchronous is None:
+        parser.error("--sync and --async are required (or --export SWEEP_DIR FILE)")
     for name in ("sync", "asynchronous", "mismatch"):
         path = getattr(arguments, name)
-        if path is not None and not path.is_dir():
-            parser.error(f"--{name.replace('asynchronous', 'async')}: {str(path)!r} is not a directory")
+        if path is not None and not path.exists():
+            parser.error(f"--{name.replace('asynchronous', 'async')}: {str(path)!r} does not exist")
     excluded: list[str] = []
     sync = load_outcomes(arguments.sync, excluded=excluded)
     asynchronous = load_outcomes(arguments.asynchronous, excluded=excluded)
