@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -41,6 +42,17 @@ MICRO = TinyModelConfig(
 @pytest.fixture(scope="module")
 def micro_model_dir(tmp_path_factory) -> str:
     return write_micro_model(tmp_path_factory.mktemp("micro_model"))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """The char tokenizer and the micro Qwen2 (float32, eval mode), in memory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(write_micro_model(Path(tempfile.mkdtemp(prefix="tiny-pair-"))))
+    return AutoTokenizer.from_pretrained(directory), AutoModelForCausalLM.from_pretrained(
+        directory
+    ).float().eval()
 
 
 def write_micro_model(directory: Path) -> str:
@@ -173,6 +185,64 @@ def test_kl_mismatch_reads_the_samplers_numbers_against_the_learners(micro_model
     # float32 paths, δ within MICRO_LOGPROB (6e-5): k3 < MICRO_LOGPROB² ≈ 3.6e-9; bf16 gives δ ~ 1e-3
     assert all(0.0 <= kl < MICRO_LOGPROB**2 for kl in fp32_kl), fp32_kl
     assert all(kl > 100 * max(max(fp32_kl), 1e-10) for kl in bf16_kl), (fp32_kl, bf16_kl)
+
+
+def test_a_perturbed_sampler_records_its_own_logprobs_and_the_learner_scores_the_clean_policy(tiny_pair):
+    """--mismatch logit-noise:σ: the sampler adds one fixed N(0, σ²) draw per vocabulary entry
+    (from the seed) to every logit, so its recorded log-probs are log_softmax(z + ε) at the chosen
+    tokens, where the learner's are log_softmax(z)."""
+    from softtrust.train.rollout import group_uniforms, sample_completions
+
+    tokenizer, model = tiny_pair
+    prompts = tokenizer(["12+3=", "4+56="], return_tensors="pt", padding=True)
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    sigma, seed, steps = 0.5, 7, 4
+    uniforms = group_uniforms(0, 0, [0, 1], 1, steps)
+    tokens, completion_mask, recorded = sample_completions(
+        model, ids, mask, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        max_new_tokens=steps, temperature=1.0, uniforms=uniforms, logit_noise=(sigma, seed),
+    )  # fmt: skip
+    noise = sigma * torch.randn(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+    full = torch.cat([ids, tokens], dim=1)
+    attention = torch.cat([mask, completion_mask], dim=1)
+    with torch.no_grad():
+        logits = model(full, attention_mask=attention).logits[:, ids.shape[1] - 1 : -1].float()  # [2, T, V]
+    perturbed = torch.log_softmax(logits + noise, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    clean = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    active = completion_mask.bool()
+    # the same float32 log-softmax through a KV cache and through one forward: MICRO_LOGPROB apart
+    torch.testing.assert_close(recorded[active], perturbed[active], atol=MICRO_LOGPROB, rtol=0)
+    assert (recorded[active] - clean[active]).abs().max() > 100 * MICRO_LOGPROB
+
+
+def test_logit_noise_mismatch_grows_kl_mismatch_with_sigma_and_feeds_a_correction(micro_model_dir, tmp_path):
+    kls = {}
+    for sigma in (0.1, 1.0):
+        run = tmp_path / f"sigma{sigma}"
+        train(
+            micro_config(
+                micro_model_dir,
+                run,
+                method="clip",
+                max_steps=2,
+                mismatch=f"logit-noise:{sigma}",
+                correction="mis",
+            )
+        )
+        metrics = read_metrics(run)
+        kls[sigma] = sum(m["kl_mismatch"] for m in metrics) / len(metrics)
+        assert all(
+            "loss/is_weight/mean" in m for m in metrics
+        )  # the sampler's numbers reached the correction
+    assert MICRO_LOGPROB**2 < kls[0.1] < kls[1.0]  # k3 ≈ E[δ²]/2 grows like σ²
+
+
+@pytest.mark.parametrize(
+    "value", ["logit-noise:0", "logit-noise:-1", "logit-noise:nan", "logit-noise:", "noise:0.1", "bf32"]
+)
+def test_error_bad_mismatch(micro_model_dir, tmp_path, value):
+    with pytest.raises(ValueError, match=r"mismatch: expected none, bf16, fp16 or logit-noise:SIGMA"):
+        micro_config(micro_model_dir, tmp_path / "run", mismatch=value).validate()
 
 
 def test_old_logprobs_sampler_skips_the_behaviour_forward_and_trains_against_the_samplers_numbers(

@@ -26,7 +26,7 @@ from .advantage_config import check_advantage_options
 from .machine import check_causal_lm_directory, check_device, resolve_device
 from .proximal import check_proximal_options
 from .tasks import check_task, default_reward
-from .values import check_field_value, coerce, load_yaml_mapping
+from .values import check_field_value, coerce, load_yaml_mapping, parse_mismatch
 
 MODES = ("sync", "async")
 MISMATCH = ("none", "bf16", "fp16")
@@ -276,7 +276,9 @@ class TrainConfig:
     )
     mismatch: str = _field(
         "none",
-        "Train/inference mismatch: score rollouts with other numerics (bf16 | fp16 autocast) than the fp32 learner.",
+        "Train/inference mismatch: sample and score rollouts with other numerics (bf16 | fp16 autocast) than the "
+        "fp32 learner, or logit-noise:SIGMA (a fixed N(0, SIGMA^2) draw per vocabulary entry, from --seed, added "
+        "to every logit the sampler computes: a perturbed sampler; the learner scores the clean policy).",
     )
     # --- precision and memory
     dtype: str = _field(
@@ -475,7 +477,7 @@ class TrainConfig:
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         self._check_old_logprobs(need)
         self._check_overlong_penalty()
-        need(self.mismatch in MISMATCH, "mismatch", f"choose one of {MISMATCH}")
+        parse_mismatch(self.mismatch)  # none | bf16 | fp16 | logit-noise:SIGMA, or a ValueError naming it
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
             require("tensorboard", "--report-to tensorboard", name="report_to")

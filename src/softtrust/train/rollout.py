@@ -231,6 +231,7 @@ def sample_completions(
     max_new_tokens: int,
     temperature: float,
     dtype: torch.dtype | None = None,
+    logit_noise: tuple[float, int] | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
     group_size: int = 1,
@@ -247,6 +248,9 @@ def sample_completions(
             same); 0 means greedy, with log-probs taken at temperature 1.
         dtype: run the forward under ``torch.autocast`` in this dtype (a rollout engine
             whose numerics differ from the learner's); ``None`` keeps the model's own.
+        logit_noise: ``(σ, seed)``: a perturbed sampler, ``ε ~ N(0, σ²)`` drawn once per
+            vocabulary entry from ``seed`` and added to every logit before sampling, so the
+            recorded log-probs are the perturbed policy's (``--mismatch logit-noise:σ``).
         uniforms: ``[B, max_new_tokens]`` float64 uniform draws in [0, 1), one per row and
             position (``group_uniforms``), required when sampling (``temperature > 0``): token
             ``t`` of row ``b`` is the inverse CDF of its distribution at ``uniforms[b, t]``, so
@@ -278,7 +282,7 @@ def sample_completions(
     stop = torch.tensor(
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device
     )
-    tokens, masks, logprobs = [], [], []
+    tokens, masks, logprobs, noise = [], [], [], None
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     # G completions of one prompt are consecutive rows with the same prompt: the prefill runs
     # once per prompt and its KV cache is repeated G times (G x less prefill compute).
@@ -301,6 +305,11 @@ def sample_completions(
         if prefill_shared:
             cache.batch_repeat_interleave(group_size)
             logits = logits.repeat_interleave(group_size, 0)
+        if logit_noise is not None:  # the same [V] draw at every position and call: one perturbed sampler
+            if noise is None:
+                generator = torch.Generator().manual_seed(logit_noise[1])
+                noise = (logit_noise[0] * torch.randn(logits.shape[-1], generator=generator)).to(logits)
+            logits = logits + noise
         uniform = None if temperature == 0 else uniforms[:, position].to(device)
         token, log_probs = next_token(logits, temperature, top_k, top_p, uniform)  # [B], [B, V]
         active = ~finished
@@ -466,6 +475,7 @@ def generate_rollout(
     temperature: float,
     policy_version: int = 0,
     dtype: torch.dtype | None = None,
+    logit_noise: tuple[float, int] | None = None,
     uniforms: torch.Tensor | None = None,
     all_finished: Callable[[bool], bool] | None = None,
     top_k: int | None = None,
@@ -488,6 +498,7 @@ def generate_rollout(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         dtype=dtype,
+        logit_noise=logit_noise,
         uniforms=uniforms,
         all_finished=all_finished,
         group_size=group_size,

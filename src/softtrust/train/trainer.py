@@ -63,6 +63,7 @@ from .staleness import (
 from .state import TrainState
 from .tasks import task_and_held_out
 from .tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from .values import parse_mismatch
 from .warmstart import EVAL_SEED, VALIDATION_SEED, VALIDATION_SIZE, warm_start, warmstart_recipe
 
 
@@ -497,7 +498,13 @@ def warm_start_policy(
 
 
 def rollout_generator(
-    config: TrainConfig, tokenizer, sampler, scorer, world: World, dtype: torch.dtype | None = None
+    config: TrainConfig,
+    tokenizer,
+    sampler,
+    scorer,
+    world: World,
+    dtype: torch.dtype | None = None,
+    logit_noise: float = 0.0,
 ) -> GenerateFn:
     """``generate(policy, num_prompts, version, rollout_index)``: this rank's rows of a new rollout.
 
@@ -528,6 +535,7 @@ def rollout_generator(
                 temperature=config.temperature,
                 policy_version=version,
                 dtype=dtype,
+                logit_noise=(logit_noise, config.seed) if logit_noise else None,
                 uniforms=group_uniforms(config.seed, rollout_index, keys, config.group_size, limit),
                 all_finished=world.all_true if world.fsdp else None,
                 top_k=config.top_k,
@@ -550,8 +558,9 @@ def build_rollout_source(
     group index), so any number of processes samples the same completions as one.
     """
     world = world or World()
-    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mismatch]
-    generate = rollout_generator(config, tokenizer, sampler, scorer, world, dtype)
+    dtype_name, noise = parse_mismatch(config.mismatch)  # autocast, or the sampler's logit noise
+    dtype = None if dtype_name is None else getattr(torch, dtype_name)
+    generate = rollout_generator(config, tokenizer, sampler, scorer, world, dtype, noise)
     scoring = Scoring(config.temperature, config.top_k, config.top_p)  # the policy the learner scores
     if config.mode == "sync":
         return SyncRollouts(
@@ -560,7 +569,7 @@ def build_rollout_source(
             prompts_per_step=config.prompts_per_step,
             group_size=config.group_size,
             scoring=scoring,
-            keep_rollout_logprobs=dtype is not None or config.correction is not None,
+            keep_rollout_logprobs=dtype is not None or noise > 0 or config.correction is not None,
             world=world,
             micro_batch_size=config.micro_batch_size,
             old_logprobs=config.effective_old_logprobs,

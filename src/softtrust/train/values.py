@@ -18,6 +18,25 @@ from pathlib import Path
 
 import yaml
 
+MISMATCH_DTYPES = {"none": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_mismatch(value: object) -> tuple[str | None, float]:
+    """``--mismatch``: ``(autocast dtype name or None, the sampler's logit-noise σ or 0)``:
+    ``none``, ``bf16``, ``fp16`` or ``logit-noise:σ`` (σ > 0, finite). A ``ValueError`` naming
+    ``mismatch`` otherwise."""
+    if value in MISMATCH_DTYPES:
+        return MISMATCH_DTYPES[value], 0.0
+    name, colon, sigma = str(value).partition(":")
+    if name == "logit-noise" and colon:
+        number = _real_number(sigma)
+        if number is not None and math.isfinite(number) and number > 0:
+            return None, number
+    raise ValueError(
+        "mismatch: expected none, bf16, fp16 or logit-noise:SIGMA with SIGMA > 0 (the standard deviation of "
+        f"the noise on the sampler's logits), got {value!r}"
+    )
+
 
 def parse_key_values(text: str, name: str) -> dict:
     """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML (and ``1e-6``, which PyYAML
