@@ -1,4 +1,4 @@
-"""Malformed ``softtrust train`` input found by issue 37's attack round:
+"""Malformed ``softtrust train`` and ``softtrust sweep`` input found by issue 37's attack round:
 one error line naming the option, what it got and what it takes, exit code 2, no traceback,
 and nothing created (no run, sweep or cache directory). Each case here crashed, ran on with a
 value it could not use, or was silently read otherwise before.
@@ -18,6 +18,9 @@ from softtrust.cli import main
 # checks would still end in seconds.
 TINY = ["train", "--sft-steps", "5", "--eval-size", "8", "--prompts-per-step", "2", "--group-size", "2",
         "--eval-every", "0", "--max-steps", "1", "--staleness", "1", "--no-progress"]  # fmt: skip
+SWEEP = ["sweep", "--methods", "clip", "--staleness", "1", "--seeds", "0,", "--jobs", "1", "--no-progress",
+         "--max-steps", "1", "--sft-steps", "5", "--eval-size", "8", "--prompts-per-step", "2",
+         "--group-size", "2", "--eval-every", "0"]  # fmt: skip
 HUGE = "1" + "0" * 30
 SECONDS_PER_CASE = 60  # a refusal takes well under a second; this only turns a hang into a failure
 
@@ -138,3 +141,45 @@ def test_help_states_the_upper_bounds(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     for bound in ("At most 32768", "at most 1024", "0 to 2^32 - 1", "at most 65536", "at most 2^20"):
         assert bound in help_text, bound
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # duplicate grid values aborted the sweep midway (or ran one cell twice)
+        (["--seeds", "0,0"], "seeds: 0 is given twice; give each value once (got '0,0')"),
+        (["--seeds", "3,03"], "seeds: 3 is given twice"),
+        (["--staleness", "1,1"], "staleness: 1 is given twice"),
+        (["--mode", "async", "--max-lag", "2,2"], "max_lag: 2 is given twice"),
+        (["--mode", "async", "--max-lag", "1,x"], "max_lag: expected integers"),  # was named staleness
+        (["--lrs", "3e-4,3e-4"], "lrs: 0.0003 is given twice"),
+        (
+            ["--lrs", "3e-4,3.0000001e-4"],
+            "lrs: 0.00030000001 and 0.0003 name one cell directory (lr0.0003)",
+        ),
+        (["--lrs", "1e39"], "lrs: must be at most 3.402823e+38"),
+        # list(range(10**9)) before any check: the process was killed for memory
+        (["--seeds", "1000000000"], "seeds: at most 1000 seeds in one sweep"),
+        (["--seeds", "4294967296,"], "seeds: a seed is at most 4294967295"),
+        # an empty value was silently the preset's (the full study's grid)
+        (["--methods", ""], "methods: give at least one method"),
+        (["--seeds", ""], "seeds: expected non-negative integers, got ''"),
+        (["--staleness", ""], "staleness: expected non-negative integers, got ''"),
+        (["--lrs", ""], "lrs: expected finite learning rates > 0, got ''"),
+        (["--reference", ""], "reference: '' is not a method of the sweep"),
+        (["--output-dir", ""], "output_dir: must not be empty"),
+        # sync mode read only the first of several lag bounds
+        (["--max-lag", "1,2"], "max_lag: several lag bounds are a grid axis of --mode async"),
+        # a refused method spec named a field, not the option
+        (["--methods", "clip,clip[nonsense=1]"], "methods: 'clip[nonsense=1]': method_params: clip rejects"),
+        (["--methods", "vespo[k_pos=1,k_pos=2]"], "methods: 'k_pos' is given twice"),
+        # directories that cannot be created or read
+        (["--output-dir", "/dev/null"], "output_dir: '/dev/null' exists and is not a directory"),
+        (["--output-dir", "FILE/sweep"], "output_dir: 'FILE/sweep' lies under"),
+        (["--report-only", "--output-dir", "FILE"], "output_dir: 'FILE' exists and is not a directory"),
+        (["--report-only", "--output-dir", "FILE/sweep"], "output_dir: 'FILE/sweep' lies under"),
+    ],
+)
+def test_sweep_refuses_a_bad_grid_before_any_cell(argv, expected, workdir, capsys):
+    line = refused([*SWEEP, *argv], workdir, capsys)
+    assert line.startswith("softtrust sweep: error: ") and expected in line, line
