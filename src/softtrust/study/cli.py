@@ -112,45 +112,65 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
     name = arguments.preset or "full"
     preset = PRESETS[name] if record is None or arguments.preset else record_as_preset(record)
     setup = dict(preset["overrides"])
-    if arguments.lrs or preset.get("lrs"):  # an lr axis replaces the preset's lr (a given --lr is refused)
+    if arguments.lrs is not None or preset.get(
+        "lrs"
+    ):  # an lr axis replaces the preset's lr (a given --lr is refused)
         setup.pop(LR_AXIS_FIELD, None)
     overrides = {**setup, **overrides}  # flags override the preset's setup
     overrides.setdefault("num_threads", 1)
     mode = overrides.get("mode", "sync")
-    axis_text = arguments.staleness or preset["staleness"]
-    if mode == "async" and arguments.max_lag_axis:
-        axis_text = arguments.max_lag_axis
-    elif arguments.max_lag_axis:
-        overrides["max_lag"] = parse_int_list(arguments.max_lag_axis, "max_lag")[0]
+    axis_text, axis_name = given_or(arguments.staleness, preset["staleness"]), "staleness"
+    if mode == "async" and arguments.max_lag_axis is not None:
+        axis_text, axis_name = arguments.max_lag_axis, "max_lag"
+    elif arguments.max_lag_axis is not None:
+        lags = parse_int_list(arguments.max_lag_axis, "max_lag")
+        if len(lags) > 1:
+            raise ValueError(
+                f"max_lag: several lag bounds are a grid axis of --mode async; in sync mode give one "
+                f"(got {arguments.max_lag_axis!r})"
+            )
+        overrides["max_lag"] = lags[0]
     jobs = arguments.jobs if arguments.jobs is not None else preset.get("jobs", os.cpu_count() or 1)
     return Sweep(
-        methods=split_methods(arguments.methods or preset["methods"]),
-        staleness=parse_int_list(axis_text, "staleness"),
-        seeds=parse_seeds(arguments.seeds or preset["seeds"]),
-        output_dir=sweep_directory(arguments),
+        methods=split_methods(given_or(arguments.methods, preset["methods"])),
+        staleness=parse_int_list(axis_text, axis_name),
+        seeds=parse_seeds(given_or(arguments.seeds, preset["seeds"])),
+        output_dir=sweep_directory(arguments.sweep_dir, name),
         overrides=overrides,
         jobs=jobs,
         progress=arguments.sweep_progress,
-        lrs=parse_lrs(arguments.lrs) if arguments.lrs else preset.get("lrs"),
+        lrs=parse_lrs(arguments.lrs) if arguments.lrs is not None else preset.get("lrs"),
         allow_mixed_code=getattr(arguments, "allow_mixed_code", False),
-        reference=getattr(arguments, "reference", None) or preset.get("reference"),
+        reference=given_or(getattr(arguments, "reference", None), preset.get("reference")),
     )
 
 
-def sweep_directory(arguments) -> Path:
-    """``--output-dir``, else ``sweeps/<preset>``."""
-    return Path(arguments.sweep_dir or Path("sweeps") / (arguments.preset or "full"))
+def given_or(value, default):
+    """A flag's ``value`` when it was given, even empty (``--seeds ''`` is refused by its parser,
+    never read as the preset's), else the preset's ``default``."""
+    return default if value is None else value
+
+
+def sweep_directory(given: str | None, preset: str) -> Path:
+    """``--output-dir`` (refused when empty), else ``sweeps/<preset>``."""
+    if given is None:
+        return Path("sweeps") / preset
+    if not given.strip():
+        raise ValueError(f"output_dir: must not be empty (got {given!r})")
+    return Path(given)
 
 
 def report_only(arguments, extra: list[str]) -> Sweep:
     """``--report-only``: rewrite the report of the sweep directory, described by its own record
     (``record.read_sweep_record``) where the flags leave something out; returns the sweep."""
     from softtrust._runlock import holding
+    from softtrust.train.option_checks import check_directory_option
 
     from .record import read_sweep_record
     from .report import rewrite_report
 
-    directory = sweep_directory(arguments)
+    directory = sweep_directory(arguments.sweep_dir, arguments.preset or "full")
+    check_directory_option(directory, "output_dir")  # a file, or a path under one
     record = read_sweep_record(directory) if directory.is_dir() else None
     sweep = sweep_from_arguments(arguments, extra, record)
     if directory.is_dir():  # not while a sweep writes it (a missing one: the report refuses it)

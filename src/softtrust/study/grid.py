@@ -9,7 +9,8 @@ from pathlib import Path
 
 from softtrust.train.config import TrainConfig
 from softtrust.train.loss_config import build_method_loss
-from softtrust.train.values import parse_key_values
+from softtrust.train.option_checks import MAX_SEED, MAX_SEEDS, check_directory_option
+from softtrust.train.values import check_float32, parse_key_values
 
 # The fields that a sweep sets per cell: shared overrides may not set them.
 AXIS_FIELDS = ("method", "method_params", "level", "staleness", "seed", "output_dir", "resume", "config")
@@ -85,33 +86,59 @@ def split_methods(text: str) -> list[MethodSpec]:
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
+    """``'1,2,4'`` -> ``[1, 2, 4]``: grid values, each >= 0 and given once (``'1,01'`` is 1 twice)."""
     try:
         values = [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError as error:
         raise ValueError(f"{name}: expected integers separated by commas, got {text!r}") from error
     if not values or any(value < 0 for value in values):
         raise ValueError(f"{name}: expected non-negative integers, got {text!r}")
+    refuse_repeats([(value, str(value)) for value in values], name, text)
     return values
 
 
+def refuse_repeats(keys: list[tuple], name: str, text: str) -> None:
+    """Refuse two grid values with one ``key`` (their cell directory): the second cell would run
+    in, or be skipped as, the first's. ``keys``: ``(key, value as written)`` pairs."""
+    seen: dict = {}
+    for key, shown in keys:
+        if key in seen:
+            same = (
+                "is given twice" if seen[key] == shown else f"and {seen[key]} name one cell directory ({key})"
+            )
+            raise ValueError(f"{name}: {shown} {same}; give each value once (got {text!r})")
+        seen[key] = shown
+
+
 def parse_lrs(text: str) -> list[float]:
-    """``'3e-4,1e-3'`` -> ``[3e-4, 1e-3]`` (sorted, each > 0)."""
+    """``'3e-4,1e-3'`` -> ``[3e-4, 1e-3]`` (sorted, each > 0 and a float32, each its own cell
+    directory: ``lr{value:g}``, 6 significant digits)."""
     try:
-        values = sorted({float(part) for part in str(text).split(",") if part.strip()})
+        values = [float(part) for part in str(text).split(",") if part.strip()]
     except ValueError as error:
         raise ValueError(f"lrs: expected numbers separated by commas, got {text!r}") from error
     if not values or any(not (math.isfinite(value) and value > 0) for value in values):
         raise ValueError(f"lrs: expected finite learning rates > 0, got {text!r}")
-    return values
+    for value in values:
+        check_float32("lrs", value, text, positive=True)
+    refuse_repeats([(f"lr{value:g}", repr(value)) for value in values], "lrs", text)
+    return sorted(values)
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``'3'`` -> seeds 0, 1, 2; ``'0,5'`` -> seeds 0 and 5; ``'1,'`` -> seed 1 alone."""
+    """``'3'`` -> seeds 0, 1, 2; ``'0,5'`` -> seeds 0 and 5; ``'1,'`` -> seed 1 alone. At most
+    ``MAX_SEEDS`` seeds, each at most ``MAX_SEED``."""
     values = parse_int_list(text, "seeds")
     if "," in str(text):
+        if max(values) > MAX_SEED:
+            raise ValueError(f"seeds: a seed is at most {MAX_SEED} (2^32 - 1), got {text!r}")
         return values
     if values[0] < 1:
         raise ValueError(f"seeds: a number of seeds must be >= 1 (got {text!r}; for seed 0 alone write '0,')")
+    if values[0] > MAX_SEEDS:
+        raise ValueError(
+            f"seeds: at most {MAX_SEEDS} seeds in one sweep (got {text!r}; for one seed S alone write 'S,')"
+        )
     return list(range(values[0]))
 
 
@@ -206,6 +233,8 @@ class Sweep:
         return TrainConfig.from_dict(values)
 
     def validate(self) -> None:
+        """Check the grid and every cell's config before any cell runs (``ValueError`` naming the option)."""
+        check_directory_option(self.output_dir, "output_dir")
         bad = sorted(set(self.overrides) & set(AXIS_FIELDS))
         if bad:
             raise ValueError(f"sweep: {bad} are set per cell by --methods / --staleness / --seeds")
@@ -217,7 +246,13 @@ class Sweep:
         if self.mode == "sync" and any(n < 1 for n in self.staleness):
             raise ValueError(f"staleness: N must be >= 1 (got {self.staleness})")
         for cell in self.cells():
-            build_method_loss(self.cell_config(cell).validate())  # a bad method spec fails before any run
+            try:  # a bad method spec fails before any run
+                build_method_loss(self.cell_config(cell).validate())
+            except ValueError as error:  # naming --methods when the spec set the field refused
+                field = str(error).partition(":")[0]
+                if field in ("method", "method_params") or field in cell.spec.config:
+                    raise ValueError(f"methods: {cell.spec.label!r}: {error}") from error
+                raise
         if self.jobs < 1:
             raise ValueError(f"jobs: must be >= 1 (got {self.jobs})")
         _ = self.reference_method  # raises for a --reference that is not a method of the sweep

@@ -22,6 +22,7 @@ from softtrust.kl import KL_ESTIMATORS
 from softtrust.methods import METHODS
 from softtrust.ratios import LEVELS
 
+from . import option_checks as limits
 from .advantage_config import check_advantage_options
 from .machine import check_causal_lm_directory, check_device, resolve_device
 from .proximal import check_proximal_options
@@ -137,7 +138,12 @@ class TrainConfig:
         high=1,
     )
     sft_lr: float = _field(2e-3, "Warm-start learning rate.", low=0, low_open=True)
-    sft_batch_size: int = _field(64, "Warm-start problems per step.", low=1)
+    sft_batch_size: int = _field(
+        64,
+        f"Warm-start problems per step (at most {limits.MAX_SFT_BATCH}).",
+        low=1,
+        high=limits.MAX_SFT_BATCH,
+    )
     cache_dir: str | None = _field(
         None,
         "Where warm starts are cached (default: $SOFTTRUST_CACHE or ~/.cache/softtrust).",
@@ -262,8 +268,9 @@ class TrainConfig:
     lag_schedule: list = field(
         default_factory=list,
         metadata={
-            "help": "Async, deterministic variant: a fixed lag per step, cycled and capped by K (e.g. '0,1,2'); "
-            "no concurrency."
+            "help": "Async, deterministic variant: a fixed lag per step (>= 0), cycled and capped by K (e.g. "
+            "'0,1,2'); no concurrency.",
+            "low": 0,
         },
     )
     old_logprobs: str | None = _field(
@@ -297,15 +304,18 @@ class TrainConfig:
     group_size: int = _field(8, "G, completions per prompt (group-relative advantages need >= 2).", low=2)
     prompts_per_step: int = _field(
         32,
-        "m, prompts per optimizer step (mini-batch); a sync rollout holds N x m prompts. Alias: --prompts-per-rollout.",
+        "m, prompts per optimizer step (mini-batch); a sync rollout holds N x m prompts, N x m x G completions "
+        "(at most 2^20; (K + 1) x m x G in async mode). Alias: --prompts-per-rollout.",
         low=1,
     )
     max_new_tokens: int | None = _field(
         None,
         "Most tokens sampled per completion (end of sequence included) (default: 6 for the embedded "
         "model, whose answers are short; 256 for --model, room for a chat model's reply). A completion "
-        "cut at the limit has no end token and usually scores 0: the trainer warns once when most are.",
+        "cut at the limit has no end token and usually scores 0: the trainer warns once when most are. "
+        f"At most {limits.MAX_NEW_TOKENS}.",
         low=1,
+        high=limits.MAX_NEW_TOKENS,
     )
     temperature: float = _field(
         1.0, "Sampling temperature (the learner scales logits by it too).", low=0, low_open=True
@@ -363,11 +373,15 @@ class TrainConfig:
         low=1,
         resumable=True,
     )
-    seed: int = _field(0, "Random seed (model init, problems, sampling).", low=0)
+    seed: int = _field(
+        0, "Random seed (model init, problems, sampling), 0 to 2^32 - 1.", low=0, high=limits.MAX_SEED
+    )
     num_threads: int = _field(
         1,
-        "torch intra-op CPU threads (a tiny model gains little from more; 0 keeps torch's default).",
+        f"torch intra-op CPU threads (a tiny model gains little from more; 0 keeps torch's default; at most "
+        f"{limits.MAX_THREADS}).",
         low=0,
+        high=limits.MAX_THREADS,
         resumable=True,
     )
     device: str = _field(
@@ -398,7 +412,10 @@ class TrainConfig:
     )
     num_samples: int = _field(4, "Completions written to samples.jsonl each time.", low=0, resumable=True)
     eval_size: int = _field(
-        512, "Held-out problems for evaluation (the task must have more distinct problems).", low=1
+        512,
+        f"Held-out problems for evaluation (the task must have more distinct problems; at most {limits.MAX_EVAL_SIZE}).",
+        low=1,
+        high=limits.MAX_EVAL_SIZE,
     )
     save_every: int = _field(
         64, "Checkpoint every this many steps (0: only at the end).", low=0, resumable=True
@@ -476,7 +493,7 @@ class TrainConfig:
         need(self.level is None or self.level in LEVELS, "level", f"choose one of {LEVELS}")
         need(self.aggregation in AGGREGATIONS, "aggregation", f"choose one of {AGGREGATIONS}")
         self._check_old_logprobs(need)
-        self._check_overlong_penalty()
+        limits.check_overlong_penalty(self)
         parse_mismatch(self.mismatch)  # none | bf16 | fp16 | logit-noise:SIGMA, or a ValueError naming it
         need(self.report_to in REPORT_TO, "report_to", f"choose one of {REPORT_TO}")
         if self.report_to == "tensorboard":  # asked for: refused before any work, not after
@@ -503,6 +520,7 @@ class TrainConfig:
             check_causal_lm_directory(self.model)
         if self.resume is not None:
             need(Path(self.resume).is_dir(), "resume", "not a directory")
+        limits.check_options(self)  # directories to create, reward specs, the rollout's size
         return self
 
     @property
@@ -536,20 +554,6 @@ class TrainConfig:
             "reject would weigh pi_old/mu = 1 (no effect); the ratio pi_theta/mu already carries the "
             "mismatch (verl's bypass mode with ppo_clip): drop them (opsm still applies)",
         )
-
-    def _check_overlong_penalty(self) -> None:
-        """``--overlong-penalty L_cache,penalty``: two numbers, ``L_cache`` a whole number of tokens
-        in ``[1, --max-new-tokens]`` (verl asserts both bounds), ``penalty > 0``."""
-        if not self.overlong_penalty:
-            return
-        limit = self.effective_max_new_tokens
-        values = self.overlong_penalty
-        cache_ok = len(values) == 2 and float(values[0]).is_integer() and 1 <= values[0] <= limit
-        if not (cache_ok and values[1] > 0):
-            raise ValueError(
-                f"overlong_penalty: expected L_cache,penalty with L_cache a whole number of tokens in "
-                f"[1, --max-new-tokens = {limit}] and penalty > 0 (got {values!r})"
-            )
 
     @property
     def effective_old_logprobs(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
 import types
 import typing
 from pathlib import Path
@@ -41,17 +42,20 @@ def parse_mismatch(value: object) -> tuple[str | None, float]:
 def parse_key_values(text: str, name: str) -> dict:
     """``'a=1,b=x'`` -> ``{'a': 1, 'b': 'x'}``, values read as YAML (and ``1e-6``, which PyYAML
     reads as text, as the number); commas inside brackets stay in their value
-    (``'ops=[+, -],n=2'`` -> ``{'ops': ['+', '-'], 'n': 2}``)."""
+    (``'ops=[+, -],n=2'`` -> ``{'ops': ['+', '-'], 'n': 2}``); a key given twice is refused."""
     values = {}
     for item in filter(None, (part.strip() for part in _split_outside_brackets(text))):
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ValueError(f"{name}: expected key=value pairs separated by commas, got {text!r}")
+        if key in values:
+            raise ValueError(f"{name}: {key!r} is given twice (give each key once), got {text!r}")
         try:
-            values[key.strip()] = _number_if_float(yaml.safe_load(value))
+            values[key] = _number_if_float(yaml.safe_load(value))
         except yaml.YAMLError as error:
             raise ValueError(
-                f"{name}: cannot read the value of {key.strip()!r}, {value!r} (quote special characters, "
+                f"{name}: cannot read the value of {key!r}, {value!r} (quote special characters, "
                 f'e.g. \'["+", "*"]\'): {str(error).splitlines()[0]}'
             ) from error
     return values
@@ -185,8 +189,9 @@ def _kind_name(kind) -> str:
 
 
 def check_field_value(f: dataclasses.Field, value) -> None:
-    """The declared checks of one field (``_field``'s ``low``/``high``; floats finite; a path-like
-    string option not empty). Raises ``ValueError`` naming the field."""
+    """The declared checks of one field (``_field``'s ``low``/``high``; floats finite and
+    representable in float32, the dtype they meet in the model and the optimizer; integers in
+    int64; a path-like string option not empty). Raises ``ValueError`` naming the field."""
     if value is None:
         return
     name, low, high = f.name, f.metadata.get("low"), f.metadata.get("high")
@@ -203,6 +208,25 @@ def check_field_value(f: dataclasses.Field, value) -> None:
             raise ValueError(f"{name}: must be {bound} (got {value!r})")
         if high is not None and number > high:
             raise ValueError(f"{name}: must be <= {high} (got {value!r})")
+        if isinstance(number, float):
+            check_float32(name, number, value, positive=low == 0 and f.metadata.get("low_open"))
+        elif abs(number) > INT64_MAX:  # torch, numpy and the samplers take int64
+            raise ValueError(f"{name}: must be at most {INT64_MAX} (2^63 - 1) in magnitude (got {value!r})")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
+
+
+def check_float32(name: str, number: float, value, positive: bool) -> None:
+    """``number`` is finite in float32 (``|x| <= 3.4e38``); a ``positive`` one (a field ``> 0``)
+    does not round to 0 there (``1e-300``: a temperature dividing by 0, a learning rate doing nothing)."""
+    if abs(number) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name}: must be at most {FLOAT32_MAX:.7g} in magnitude, the largest float32 (got {value!r})"
+        )
+    if positive and struct.unpack("f", struct.pack("f", number))[0] == 0.0:
+        raise ValueError(f"{name}: must be > 0, and {number!r} is 0 as a float32 (got {value!r})")
 
 
 def load_yaml_mapping(path: str | Path) -> dict:
