@@ -16,7 +16,7 @@ import torch
 import softtrust
 from softtrust.train.data import problems_from_records, read_records
 from softtrust.train.problem import Problem
-from softtrust.train.rewards import RewardSet, extract_final_answer, math_reward
+from softtrust.train.rewards import RewardSet, as_reward, extract_final_answer, math_reward
 from softtrust.train.rollout import RewardScorer, decode_completions, encode_prompts, end_token_ids
 from softtrust.train.tasks import DatasetTask
 from softtrust.train.tiny import build_char_tokenizer
@@ -199,6 +199,38 @@ def test_trl_batched_signature_weights_none_and_correctness():
     with pytest.raises(ValueError, match="correctness_reward: 'numeric' is not one of"):
         RewardSet.parse("math,exact", None, "numeric")
     assert RewardSet.parse("math,exact", None, "exact").correctness == 1
+
+
+def kwargs_only_reward(**kwargs):
+    """Written for TRL, which passes everything by keyword: 1 when the completion is the answer."""
+    return [float(c == a) for c, a in zip(kwargs["completions"], kwargs["answer"], strict=True)]
+
+
+def args_kwargs_reward(*args, **kwargs):
+    return [len(ids) + 0.5 * lvl for ids, lvl in zip(kwargs["completion_ids"], kwargs["level"], strict=True)]
+
+
+def test_trl_rewards_taking_only_keywords_are_called_as_trl_calls_them():
+    """``def reward(**kwargs)`` and ``def reward(*args, **kwargs)`` were refused ("takes neither ...");
+    TRL calls every reward with keywords only, so they take TRL's batched call."""
+    spec = f"{__name__}:kwargs_only_reward,{__name__}:args_kwargs_reward"
+    rewards = RewardSet.parse(spec, [1.0, 0.1])
+    assert [reward.batched for reward in rewards.rewards] == [True, True]
+    scorer = RewardScorer(type("T", (), {"rewards": rewards})(), strict=True)
+    problems = [
+        Problem("1+2=", "3", {"answer": "3", "level": 1}),
+        Problem("2+2=", "4", {"answer": "4", "level": 2}),
+    ]
+    total, correct, parts = scorer.score(problems, ["3", "5"], [[1, 2], [3]])
+    assert parts[f"{__name__}:kwargs_only_reward"] == [1.0, 0.0]
+    assert parts[f"{__name__}:args_kwargs_reward"] == [2.5, 2.0]
+    assert total.tolist() == pytest.approx([1.25, 0.2]) and correct == [True, False]
+    # a per-sample function keeps its convention: a named completion, or two positional parameters
+    assert not as_reward("a", lambda completion, answer, **kwargs: 1.0).batched
+    assert not as_reward("b", lambda text, target, **kwargs: 1.0).batched
+    for refused in (lambda only_one: 1.0, lambda completion, **kwargs: 1.0):  # no answer parameter
+        with pytest.raises(ValueError, match=r"reward: 'c' takes neither \(completion, answer"):
+            as_reward("c", refused)
 
 
 def bad_length_reward(prompts, completions, completion_ids, **kwargs):

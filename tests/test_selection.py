@@ -292,7 +292,7 @@ def test_reject_needs_rollout_logprobs():
         (lambda: st.BAPO(target=0.0), r"target must be > 0.0, got 0.0"),
         (lambda: st.BAPO(low_start=1.0), r"low_start must be < 1.0, got 1.0"),
         (lambda: st.BAPO(high_start=0.9), r"high_start must be > 1.0, got 0.9"),
-        (lambda: st.BAPO(high_max=1.1), r"high_max must be >= 1.2, got 1.1"),
+        (lambda: st.BAPO(high_max=1.1), r"high_max must be >= high_start = 1.2, got 1.1"),
         (lambda: st.BAPO(low_step=0.0), r"low_step must be > 0.0, got 0.0"),
         (lambda: st.PolicyLoss("m2po", level="sequence-mean"), r"not supported by method 'm2po'"),
     ],

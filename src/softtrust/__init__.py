@@ -12,6 +12,7 @@ from softtrust.advantages import (
     rloo_advantages,
 )
 from softtrust.aggregation import AGGREGATIONS, aggregate, aggregation_weights
+from softtrust.compiling import compile_loss
 from softtrust.corrections import MIS, OPSM, TIS, Reject
 from softtrust.kl import KL, KL_ESTIMATORS, AdaptiveKLController, kl_estimate
 from softtrust.logprobs import completion_logprobs, token_logprobs
@@ -37,6 +38,7 @@ __all__ = [
     "Reject",
     "aggregate",
     "aggregation_weights",
+    "compile_loss",
     "completion_logprobs",
     "group_advantages",
     "kl_estimate",

@@ -19,6 +19,15 @@ def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+#: the float32 range a hyperparameter must lie in: the loss computes in float32 (float64 stays float64)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4028e38
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # 1.1755e-38, the smallest normal magnitude
+#: the largest factor a hyperparameter may put on a loss term (and the reciprocal of the smallest
+#: one that divides it): with ratios up to e^20 (the default clamp), squared ratios (CFPO, an
+#: importance-corrected k3) and advantages of any usual size, every term stays far inside float32
+SCALE_MAX = 1e12
+
+
 def check_number(
     name: str,
     value: object,
@@ -27,16 +36,70 @@ def check_number(
     high: float | None = None,
     low_inclusive: bool = True,
     high_inclusive: bool = True,
+    low_name: str | None = None,
 ) -> None:
-    """Raise unless ``value`` is a finite real number inside the given bounds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """Raise unless ``value`` is a finite real number inside the given bounds, representable in float32.
+
+    ``low_name`` names the parameter the lower bound comes from (``cov_high > cov_low``), for the message.
+
+    Representable: 0 or a magnitude in ``[FLOAT32_TINY, FLOAT32_MAX]`` (1.18e-38 to 3.40e38).
+    A hyperparameter beyond that (``eps_high=1e39``, ``tau=1e-300``) would overflow or
+    flush to 0 where the loss casts it to float32, so it is refused here, at construction.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if low is not None and (value < low or (value == low and not low_inclusive)):
-        bound = ">=" if low_inclusive else ">"
-        raise ValueError(f"{name} must be {bound} {low}, got {value!r}")
+        bound = (">=" if low_inclusive else ">") + ("" if low_name is None else f" {low_name} =")
+        raise ValueError(f"{name} must be {bound} {low!r}, got {value!r}")
     if high is not None and (value > high or (value == high and not high_inclusive)):
         bound = "<=" if high_inclusive else "<"
         raise ValueError(f"{name} must be {bound} {high}, got {value!r}")
+    if value != 0 and not FLOAT32_TINY <= abs(value) <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be 0 or of a magnitude in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] "
+            f"(representable in float32, where the loss computes), got {value!r}"
+        )
+
+
+def check_scale(
+    name: str,
+    value: object,
+    *,
+    multiplies: bool = True,
+    divides: bool = False,
+    low: float = 0.0,
+    low_inclusive: bool = False,
+) -> None:
+    """Raise unless ``value`` is a number ``> low`` (``>=`` if ``low_inclusive``) that keeps a loss
+    term inside float32: at most :data:`SCALE_MAX` where it ``multiplies`` a term (DRO's β, a KL
+    coefficient, SAPO's τ inside the gate), at least ``1/SCALE_MAX`` where it ``divides`` one
+    (SAPO's ``4/τ``, CFPO's ``1/(2ε)``). The message names the parameter and the range."""
+    check_number(name, value, low=low, low_inclusive=low_inclusive)
+    too_large = multiplies and abs(value) > SCALE_MAX
+    too_small = divides and abs(value) < 1.0 / SCALE_MAX
+    if too_large or too_small:
+        bounds = {(True, False): f"<= {SCALE_MAX:g}", (False, True): f">= {1 / SCALE_MAX:g}"}.get(
+            (multiplies, divides), f"in [{1 / SCALE_MAX:g}, {SCALE_MAX:g}]"
+        )
+        role = " and ".join(word for word, on in (("multiplies", multiplies), ("divides", divides)) if on)
+        raise ValueError(
+            f"{name} must be {bounds}: it {role} a loss term, which beyond that overflows float32 "
+            f"(largest {FLOAT32_MAX:.4g}), got {value!r}"
+        )
+
+
+def check_log_ratio_clamp(value: object) -> None:
+    """Raise unless the log-ratio clamp c is > 0 and at most ``ln SCALE_MAX`` (27.6): the ratio
+    ``e^c`` is a factor on the loss (``r·A``, CFPO's ``(r-1)²``), so beyond it a far off-policy
+    token overflows float32."""
+    check_number("log_ratio_clamp", value, low=0.0, low_inclusive=False)
+    if value > math.log(SCALE_MAX):
+        raise ValueError(
+            f"log_ratio_clamp must be <= {math.log(SCALE_MAX):.4g} (= ln {SCALE_MAX:g}): the ratio "
+            f"e^clamp multiplies loss terms, which beyond that overflow float32, got {value!r}"
+        )
 
 
 def check_float_tensor(name: str, x: object) -> None:
@@ -217,7 +280,7 @@ def check_kl_coef(kl_coef: object, kl: object) -> None:
                 f"kl_coef must be a number or a 0-dim float tensor, got shape {tuple(kl_coef.shape)}"
             )
     else:
-        check_number("kl_coef", kl_coef, low=0.0)
+        check_scale("kl_coef", kl_coef, low_inclusive=True)
 
 
 def check_advantages(advantages: object, shape: tuple[int, int]) -> torch.Tensor:

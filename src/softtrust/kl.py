@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from softtrust._validation import check_choice, check_number
+from softtrust._validation import check_choice, check_number, check_scale
 from softtrust.ratios import DEFAULT_LOG_RATIO_CLAMP, clamped_log_ratio
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
@@ -51,7 +51,7 @@ class KL:
     """A KL term ``coef · k(logp, ref)`` added to every token's loss before aggregation.
 
     Args:
-        coef: β >= 0.
+        coef: β in [0, 1e12] (a larger factor overflows float32; ``_validation.check_scale``).
         estimator: one of :data:`KL_ESTIMATORS` (``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``,
             and the straight-through ``"k1+"``, ``"k3+"``: the value of k1/k3, the gradient of k2).
         importance_corrected: multiply by the token ratio r (with gradient; a detached
@@ -63,7 +63,7 @@ class KL:
     importance_corrected: bool = False
 
     def __post_init__(self) -> None:
-        check_number("coef", self.coef, low=0.0)
+        check_scale("coef", self.coef, low_inclusive=True)
         check_choice("estimator", self.estimator, KL_ESTIMATORS)
 
     @property
@@ -110,7 +110,7 @@ class AdaptiveKLController:
     ``0.2·n/horizon`` a step. A non-finite ``kl`` leaves β as it is.
 
     Args:
-        coef: the initial β > 0 (a multiplicative rule never leaves 0).
+        coef: the initial β in (0, 1e12] (a multiplicative rule never leaves 0).
         target: the target KL > 0.
         horizon: > 0; with ``n`` samples a step, ``horizon / n`` steps move β by e^{±0.2} at most.
 
@@ -123,7 +123,7 @@ class AdaptiveKLController:
     horizon: float = 10_000
 
     def __post_init__(self) -> None:
-        check_number("coef", self.coef, low=0.0, low_inclusive=False)
+        check_scale("coef", self.coef)
         check_number("target", self.target, low=0.0, low_inclusive=False)
         check_number("horizon", self.horizon, low=0.0, low_inclusive=False)
 

@@ -31,8 +31,10 @@ from softtrust._validation import (
     check_float_tensor,
     check_input_values,
     check_kl_coef,
+    check_log_ratio_clamp,
     check_mask,
     check_number,
+    check_scale,
     check_shape,
     compute_dtype,
     detached_as,
@@ -98,9 +100,9 @@ class PolicyLoss:
             Reject). Needs ``rollout_logprobs`` for TIS/MIS/Reject.
         aggregation: one of :data:`~softtrust.aggregation.AGGREGATIONS`.
         kl: None or :class:`~softtrust.kl.KL`; needs ``ref_logprobs``.
-        log_ratio_clamp: bound on every log-ratio before ``exp`` (default 20).
+        log_ratio_clamp: bound on every log-ratio before ``exp`` (default 20, at most ln 1e12).
         max_completion_length: ``T_max`` for ``seq-mean-token-sum-norm`` (default: the batch's T).
-        entropy_coef: c >= 0, an entropy bonus: ``-c·H_t`` is added to the per-token loss
+        entropy_coef: c in [0, 1e12], an entropy bonus: ``-c·H_t`` is added to the per-token loss
             (on the kept tokens when ``entropy_quantile < 1``) and aggregated with it, so
             its gradient raises the policy's entropy. Needs ``entropy=`` in the call. (TRL's
             ``entropy_coef`` always takes the token mean of H over the kept tokens,
@@ -157,12 +159,12 @@ class PolicyLoss:
         if kl is not None and not isinstance(kl, KL):
             raise ValueError(f"kl must be None or a softtrust.KL, got {type(kl).__name__}")
         self.kl = kl
-        check_number("log_ratio_clamp", log_ratio_clamp, low=0.0, low_inclusive=False)
+        check_log_ratio_clamp(log_ratio_clamp)
         self.log_ratio_clamp = float(log_ratio_clamp)
         if max_completion_length is not None:
             check_number("max_completion_length", max_completion_length, low=1)
         self.max_completion_length = max_completion_length
-        check_number("entropy_coef", entropy_coef, low=0.0)
+        check_scale("entropy_coef", entropy_coef, low_inclusive=True)
         check_number("entropy_quantile", entropy_quantile, low=0.0, high=1.0)
         self.entropy_coef, self.entropy_quantile = float(entropy_coef), float(entropy_quantile)
         self.compute_metrics = bool(compute_metrics)

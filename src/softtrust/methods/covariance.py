@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from softtrust._validation import check_number
+from softtrust._validation import check_number, check_scale
 from softtrust.methods.base import LossContext, Method, MethodOutput, register_method, token_level_note
 from softtrust.methods.trust_region import clipped_surrogate
 
@@ -85,7 +85,7 @@ class KLCov(Method):
 
     Args:
         ratio: fraction of active tokens penalised, in (0, 1] (paper: 2e-4).
-        coef: penalty weight (> 0; paper: 1).
+        coef: penalty weight in (0, 1e12] (paper: 1).
 
     References:
         Cui et al., The Entropy Mechanism of Reinforcement Learning for Reasoning
@@ -101,7 +101,7 @@ class KLCov(Method):
 
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, low=0.0, high=1.0, low_inclusive=False)
-        check_number("coef", self.coef, low=0.0, low_inclusive=False)
+        check_scale("coef", self.coef)
 
     def batch_state(self, ctx: LossContext) -> dict[str, torch.Tensor]:
         state = _batch_means(ctx)
@@ -170,7 +170,7 @@ class ClipCov(Method):
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, low=0.0, high=1.0, low_inclusive=False)
         check_number("cov_low", self.cov_low)
-        check_number("cov_high", self.cov_high, low=self.cov_low, low_inclusive=False)
+        check_number("cov_high", self.cov_high, low=self.cov_low, low_inclusive=False, low_name="cov_low")
         check_number("eps_low", self.eps_low, low=0.0, high=1.0, high_inclusive=False)
         check_number("eps_high", self.eps_high, low=0.0)
 

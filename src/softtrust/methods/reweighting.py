@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from softtrust._validation import check_choice, check_number
+from softtrust._validation import SCALE_MAX, check_choice, check_number
 from softtrust.methods.base import (
     DetachedWeightMethod,
     LossContext,
@@ -97,7 +97,8 @@ class VESPO(DetachedWeightMethod):
 
     Args:
         k_pos, lambda_pos: kernel for ``A >= 0`` (k >= 0, λ > 0). Paper: (2, 3).
-        k_neg, lambda_neg: kernel for ``A < 0``. Paper: (3, 2).
+        k_neg, lambda_neg: kernel for ``A < 0``. Paper: (3, 2). Each kernel's peak φ
+            (:func:`vespo_log_phi_peak`) must be at most 1e12: φ multiplies the loss.
 
     References:
         Shen et al., VESPO: Variational Sequence-Level Soft Policy Optimization,
@@ -123,6 +124,15 @@ class VESPO(DetachedWeightMethod):
         check_number("lambda_pos", self.lambda_pos, low=0.0, low_inclusive=False)
         check_number("k_neg", self.k_neg, low=0.0)
         check_number("lambda_neg", self.lambda_neg, low=0.0, low_inclusive=False)
+        for sign in ("pos", "neg"):
+            k, lam = getattr(self, f"k_{sign}"), getattr(self, f"lambda_{sign}")
+            peak = vespo_log_phi_peak(k, lam)
+            if peak > math.log(SCALE_MAX):
+                raise ValueError(
+                    f"k_{sign}={k!r}, lambda_{sign}={lam!r}: VESPO's weight φ(W) = W^k·e^(λ(1-W)) peaks at "
+                    f"φ = e^{peak:.4g}, must stay <= {SCALE_MAX:g} (φ multiplies the loss; beyond that it "
+                    f"overflows float32): lower k_{sign} or raise lambda_{sign} toward k_{sign}"
+                )
 
     def weight(self, ctx: LossContext) -> MethodOutput:
         phi = self.phi(ctx.log_ratio, ctx.advantages)  # [B, 1] (or [B, T] with token advantages)
@@ -137,6 +147,14 @@ class VESPO(DetachedWeightMethod):
         # log φ = k·log W - λ·(W - 1), in log space (W^k underflows, e^{λW} overflows),
         # with W - 1 = expm1(log W): exact near W = 1
         return torch.exp(torch.addcmul(k * log_w, lam, torch.expm1(log_w), value=-1.0))
+
+
+def vespo_log_phi_peak(k: float, lam: float) -> float:
+    """``max log φ(W)`` over ``W >= 1e-8`` (VESPO's floor), for any clamp: ``d log φ / dW = k/W - λ``,
+    so ``log φ = k·log W - λ(W - 1)`` rises up to ``W* = k/λ`` and falls after; ``W*`` below the
+    floor puts the peak at the floor. ``k·log(k/λ) - k + λ`` for ``k/λ >= 1e-8``."""
+    at = max(k / lam, math.exp(VESPO_LOG_W_FLOOR))
+    return k * math.log(at) - lam * (at - 1.0)
 
 
 @register_method

@@ -142,6 +142,11 @@ class M2PO(Method):
         return MethodOutput(loss, stats)
 
 
+#: the most ``(c_low, c_high)`` candidates BAPO's search may hold: its ``batch_state`` builds
+#: ``[K, B, T]`` tensors, so an unbounded K (``low_step=1e-9``) exhausts memory
+BAPO_MAX_CANDIDATES = 1000
+
+
 def _steps(start: float, stop: float, step: float) -> int:
     """How many ``step`` increments from ``start`` stay ``<= stop`` (1e-9 relative slack for decimal steps)."""
     if step <= 0:
@@ -188,7 +193,8 @@ class BAPO(Method):
         low_start, low_max: a⁻, b⁻, the lower bound's range, 0 < a⁻ <= b⁻ < 1 (paper: 0.6, 0.9).
         high_start, high_max: a⁺, b⁺, the upper bound's range, 1 < a⁺ <= b⁺ (paper: 1.2, 3.0).
         high_step: δ₁ > 0 (paper: 0.05).
-        low_step: δ₂ > 0 (paper: 0.02).
+        low_step: δ₂ > 0 (paper: 0.02). The grid may hold at most :data:`BAPO_MAX_CANDIDATES`
+            (1000) candidates: :meth:`batch_state` evaluates all of them at once, as ``[K, B, T]``.
 
     References:
         Xi et al., BAPO: Stabilizing Off-Policy Reinforcement Learning for LLMs via
@@ -214,11 +220,24 @@ class BAPO(Method):
         check_number(
             "low_start", self.low_start, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
         )
-        check_number("low_max", self.low_max, low=self.low_start, high=1.0, high_inclusive=False)
+        check_number(
+            "low_max", self.low_max, low=self.low_start, high=1.0, high_inclusive=False, low_name="low_start"
+        )
         check_number("high_start", self.high_start, low=1.0, low_inclusive=False)
-        check_number("high_max", self.high_max, low=self.high_start)
+        check_number("high_max", self.high_max, low=self.high_start, low_name="high_start")
         check_number("high_step", self.high_step, low=0.0, low_inclusive=False)
         check_number("low_step", self.low_step, low=0.0, low_inclusive=False)
+        n_high = _steps(self.high_start, self.high_max, self.high_step)
+        n_low = _steps(self.low_start, self.low_max, self.low_step)
+        if n_low > 0 and 1 + n_high + n_low > BAPO_MAX_CANDIDATES:  # n_low = 0: one candidate
+            raise ValueError(
+                f"BAPO's bounds grid has K = 1 + floor((high_max - high_start) / high_step) + floor((low_max "
+                f"- low_start) / low_step) = 1 + {n_high} + {n_low} candidates, more than {BAPO_MAX_CANDIDATES} "
+                f"(batch_state holds [K, B, T] tensors; the paper's grid has 52): raise high_step or low_step, "
+                f"or narrow the ranges (got high_start={self.high_start!r}, high_max={self.high_max!r}, "
+                f"high_step={self.high_step!r}, low_start={self.low_start!r}, low_max={self.low_max!r}, "
+                f"low_step={self.low_step!r})"
+            )
 
     def bounds_grid(self) -> tuple[list[float], list[float]]:
         """The candidate ``(c_low, c_high)`` pairs of the walk, in order (Python numbers)."""

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from softtrust._validation import check_number
+from softtrust._validation import check_number, check_scale
 from softtrust.methods.base import (
     LossContext,
     Method,
@@ -163,7 +163,7 @@ class SAPO(Method):
     ``-(2/τ)·A``, not ``-A``: an offset with no gradient.
 
     Args:
-        tau_pos: τ > 0 for positive advantages.
+        tau_pos: τ in [1e-12, 1e12] for positive advantages (it scales the gate and 4/τ).
         tau_neg: τ > 0 for non-positive advantages (larger: negative samples fade faster).
 
     References:
@@ -178,8 +178,8 @@ class SAPO(Method):
     tau_neg: float = 1.05
 
     def __post_init__(self) -> None:
-        check_number("tau_pos", self.tau_pos, low=0.0, low_inclusive=False)
-        check_number("tau_neg", self.tau_neg, low=0.0, low_inclusive=False)
+        check_scale("tau_pos", self.tau_pos, divides=True)  # the gate σ(τ(r-1)) and the factor 4/τ
+        check_scale("tau_neg", self.tau_neg, divides=True)
 
     def loss(self, ctx: LossContext) -> MethodOutput:
         advantages = ctx.advantages  # [B, 1] or [B, T]
@@ -229,7 +229,7 @@ class CFPO(Method):
     ``r = 1 + sign(A)·ε``, past which the penalty pulls the ratio back.
 
     Args:
-        eps: ε > 0, where the objective stops rewarding further ratio change.
+        eps: ε >= 1e-12, where the objective stops rewarding further ratio change.
 
     References:
         Clipping-free policy optimization, arXiv:2601.22801.
@@ -242,7 +242,7 @@ class CFPO(Method):
     eps: float = 0.2
 
     def __post_init__(self) -> None:
-        check_number("eps", self.eps, low=0.0, low_inclusive=False)
+        check_scale("eps", self.eps, multiplies=False, divides=True)  # the penalty's 1/(2ε)
 
     def loss(self, ctx: LossContext) -> MethodOutput:
         advantages, ratio = ctx.advantages, ctx.ratio
@@ -305,7 +305,7 @@ class DRO(Method):
     level only: the penalty is on each token's log-ratio.
 
     Args:
-        beta: penalty weight β > 0. The gradient vanishes at ``log r = A/β``, so with
+        beta: penalty weight β in (0, 1e12]. The gradient vanishes at ``log r = A/β``, so with
             group-normalised advantages (``|A| ≈ 1``) β bounds how far a token's ratio
             drifts: β = 0.05 allows ``log r ≈ 20`` (the clamp: no trust region at all),
             the default β = 0.5 about ``log r ≈ 2``. On the main job at N = 8, β = 0.05
@@ -323,7 +323,7 @@ class DRO(Method):
     beta: float = 0.5
 
     def __post_init__(self) -> None:
-        check_number("beta", self.beta, low=0.0, low_inclusive=False)
+        check_scale("beta", self.beta)
 
     def loss(self, ctx: LossContext) -> MethodOutput:
         penalty = (0.5 * self.beta) * ctx.token_log_ratio.square()  # [B, T]

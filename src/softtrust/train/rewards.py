@@ -8,7 +8,9 @@ A user function is called in one of two ways, told apart by its parameters:
   or the first two positional parameters); the record's other columns are passed as keyword
   arguments when ``f`` accepts them (by name, or all with ``**kwargs``);
 - batched, TRL's signature, unchanged: ``f(prompts, completions, completion_ids, **columns)
-  -> list[float | None]`` (a parameter named ``completions``): ``prompts`` as in the data (a
+  -> list[float | None]`` (a parameter named ``completions``, or, as TRL calls every reward
+  with keywords only, ``**kwargs`` without a ``completion`` parameter and fewer than two
+  positional ones: ``f(**kwargs)``, ``f(*args, **kwargs)``): ``prompts`` as in the data (a
   string or a list of messages), ``completions`` a string each, or for conversational prompts
   ``[{"role": "assistant", "content": text}]`` as TRL passes them, ``completion_ids`` lists of
   token ids, and each other column as a list over the batch.
@@ -213,10 +215,13 @@ def as_reward(name: str, function: Callable, weight: float = 1.0) -> Reward:
         for p in parameters.values()
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
+    if len(positional) < 2 and "completion" not in parameters and any_keyword:
+        # TRL calls every reward with keywords only: f(**kwargs) or f(*args, **kwargs) is written for it
+        return Reward(name, function, weight, batched=True, keywords=None)
     if len(positional) < 2:
         raise ValueError(
             f"reward: {name!r} takes neither (completion, answer, **columns) nor TRL's "
-            "(prompts, completions, completion_ids, **columns)"
+            "(prompts, completions, completion_ids, **columns) (or TRL's **kwargs alone)"
         )
     if keywords is not None:
         keywords = keywords - {positional[0].name, positional[1].name}

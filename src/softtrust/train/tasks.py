@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from .data import problems_from_records, read_records
 from .problem import Problem
+from .prompt_fit import check_prompts
 from .reasoning_gym_task import REASONING_GYM, ReasoningGymTask, check_options
 from .rewards import RewardSet
 
@@ -113,8 +114,10 @@ class DatasetTask:
 
         self.path = Path(path)
         self.rewards = RewardSet.parse(reward, reward_weights, correctness_reward)
+        records = read_records(self.path)
+        self.sources = [where for where, _ in records]  # the file and line of each problem, for errors
         self.problems = problems_from_records(
-            read_records(self.path),
+            records,
             prompt_column,
             answer_column,
             system_prompt,
@@ -242,13 +245,15 @@ def default_reward(config: TrainConfig) -> str:
 
 def task_and_held_out(config: TrainConfig, eval_seed: int) -> tuple:
     """The task and its held-out problems (drawn with ``eval_seed``, never drawn for training),
-    checked before any file is written: some training problem is left, and a reasoning-gym
-    generator fits the embedded model."""
+    checked before any file is written: some training problem is left, a reasoning-gym
+    generator fits the embedded model, and the prompts fit the model's context and its chat
+    template (``prompt_fit.check_prompts``)."""
     task = build_config_task(config)
     eval_problems = held_out_problems(task, config.eval_size, seed=eval_seed)
     check_training_pool(task, eval_problems)
     if config.uses_embedded_model and isinstance(task, ReasoningGymTask):
         task.check_embedded_model(eval_problems, config.effective_max_new_tokens)  # or refuse it
+    check_prompts(config, task, eval_problems)
     return task, eval_problems
 
 
