@@ -123,7 +123,7 @@ def test_report_only_on_a_file_says_it_is_not_a_directory(tmp_path, capsys):
     path = tmp_path / "some_file"
     path.write_text("x\n")
     assert main(["sweep", "--output-dir", str(path), "--report-only"]) == 2
-    assert f"output_dir: {str(path)!r} is not a directory" in one_line_error(capsys)
+    assert f"output_dir: {str(path)!r} exists and is not a directory" in one_line_error(capsys)
 
 
 # ---------------------------------------------------------------------- damaged run files
