@@ -347,7 +347,9 @@ def test_a_bad_config_file_is_an_error_line_not_a_traceback(content, message, tm
         ('{"prompt": "1+1=", "answer": null}', "'answer' must be a string or a finite number"),
         ('{"prompt": "1+1=", "answer": {"v": 2}}', "'answer' must be a string or a finite number"),
         ('{"prompt": "1+1=", "answer": true}', "'answer' must be a string or a finite number"),
-        ("[1, 2]", "expected a JSON object with 'prompt' and 'answer'"),
+        ("[1, 2]", "expected an object (a record), got '[1, 2]'"),
+        ('{"question": "1+1=", "answer": "2"}', "no 'prompt' column (the records before it have one)"),
+        ('{"prompt": "1+1=", "answer": ' + "9" * 5000 + "}", "a number of more than 4300 digits"),
     ],
 )
 def test_bad_dataset_values_are_refused_by_line(line, message, tmp_path, capsys):

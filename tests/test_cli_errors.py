@@ -109,7 +109,32 @@ def refused(argv: list[str], root, capsys) -> str:
         # finite, but not as the float32 the model and optimizer hold it in
         (["--lr", "1e39"], "lr: must be at most 3.402823e+38 in magnitude, the largest float32 (got 1e+39)"),
         (["--temperature", "1e-50"], "temperature: must be > 0, and 1e-50 is 0 as a float32"),
-        (["--reward-weights", "1,1e39"], "reward_weights: must be at most 3.402823e+38 in magnitude"),
+        (
+            ["--dataset", "data.jsonl", "--reward-weights", "1,1e39"],
+            "reward_weights: must be at most 3.402823e+38",
+        ),
+        # options the built-in task ignored without a word
+        (
+            ["--reward", "numeric"],
+            "reward: applies to --dataset and reasoning-gym tasks; this run trains on "
+            "the built-in task 'addition', which would ignore it (got 'numeric')",
+        ),
+        (["--reward-weights", "2"], "reward_weights: applies to --dataset and reasoning-gym tasks"),
+        (["--correctness-reward", "exact"], "correctness_reward: applies to --dataset and reasoning-gym"),
+        (["--system-prompt", "Be brief."], "system_prompt: applies to --dataset and reasoning-gym tasks"),
+        (
+            ["--prompt-column", "q"],
+            "prompt_column: applies to --dataset; this run trains on the built-in task",
+        ),
+        # a column the dataset lacks named the dataset's first line, not the option
+        (
+            ["--dataset", "data.jsonl", "--prompt-column", "q"],
+            "prompt_column: 'q' is not a column of the dataset",
+        ),
+        (
+            ["--dataset", "data.jsonl", "--answer-column", "a"],
+            "answer_column: 'a' is not a column of the dataset",
+        ),
         # directories that cannot be created
         (["--output-dir", "/dev/null"], "output_dir: '/dev/null' exists and is not a directory"),
         (["--output-dir", "FILE/run"], "output_dir: 'FILE/run' lies under"),

@@ -77,7 +77,7 @@ def test_every_format_reads_the_same_problems_with_their_columns(tmp_path):
 @pytest.mark.parametrize(
     ("record", "message"),
     [
-        ({"question": "1+1=", "answer": "2"}, "expected a JSON object with 'prompt' and 'answer'"),
+        ({"question": "1+1=", "answer": "2"}, "no 'prompt' column (the records before it have one)"),
         ({"prompt": None, "answer": "2"}, "'prompt' must be a non-empty string or a non-empty list"),
         ({"prompt": "  ", "answer": "2"}, "'prompt' must be a non-empty string or a non-empty list"),
         ({"prompt": [{"role": "user"}], "answer": "2"}, "'prompt' message 0 must be an object"),
@@ -92,6 +92,47 @@ def test_bad_records_name_the_row(record, message, tmp_path):
     with pytest.raises(ValueError, match="dataset: .*bad.json row 2: ") as error:
         problems_from_records(read_records(path))
     assert message in str(error.value)
+
+
+def test_byte_order_marks_are_dropped_and_other_bytes_name_the_line(tmp_path):
+    # a spreadsheet's UTF-8 export starts with a BOM: the same records as without it
+    bom = b"\xef\xbb\xbf"
+    for name, text in [
+        ("a.csv", "prompt,answer\n1+2=,3\n"),
+        ("a.jsonl", '{"prompt": "1+2=", "answer": "3"}\n'),
+    ]:
+        (tmp_path / name).write_bytes(bom + text.encode())
+        problems = problems_from_records(read_records(tmp_path / name))
+        assert [(p.prompt, p.answer) for p in problems] == [("1+2=", "3")], name
+    latin = tmp_path / "latin.jsonl"  # é in Latin-1 on line 2
+    latin.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\n{"prompt": "caf\xe9", "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"^dataset: .*latin.jsonl:2: not UTF-8 \(byte 0xe9 at offset 49"):
+        read_records(latin)
+    (tmp_path / "latin.csv").write_bytes(b"prompt,answer\n1+2=,3\n\xff,3\n")
+    with pytest.raises(ValueError, match=r"latin.csv:3: not UTF-8"):
+        read_records(tmp_path / "latin.csv")
+
+
+def test_jsonl_lines_split_at_newlines_only(tmp_path):
+    # U+2028 and U+0085 may stand unescaped inside a JSON string; str.splitlines would cut there
+    path = tmp_path / "sep.jsonl"
+    records = [{"prompt": "a\u2028b\u0085c", "answer": "1"}, {"prompt": "d", "answer": "2"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in records), encoding="utf-8")
+    assert [p.prompt for p in problems_from_records(read_records(path))] == ["a\u2028b\u0085c", "d"]
+
+
+def test_a_column_option_the_data_lacks_is_named(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "solution": "2"}) + "\n")
+    with pytest.raises(
+        ValueError, match=r"^prompt_column: 'nope' is not a column of the dataset \(its first"
+    ):
+        problems_from_records(read_records(path), "nope", "solution")
+    with pytest.raises(
+        ValueError, match=r"^answer_column: 'answer' is not a column .* has 'question', 'solution'"
+    ):
+        problems_from_records(read_records(path), "question")
+    assert problems_from_records(read_records(path), "question", need_answer=False)[0].answer == ""
 
 
 def test_bad_csv_row_and_unknown_format_and_missing_column(tmp_path):
@@ -199,6 +240,24 @@ def test_trl_batched_signature_weights_none_and_correctness():
     with pytest.raises(ValueError, match="correctness_reward: 'numeric' is not one of"):
         RewardSet.parse("math,exact", None, "numeric")
     assert RewardSet.parse("math,exact", None, "exact").correctness == 1
+
+
+def test_weighted_totals_beyond_float32_name_reward_weights():
+    """``--reward-weights 3e38,3e38``: each weight is a float32, their sum on a completion both
+    rewards score 1 is not; the total was an inf reward and NaN advantages ("advantages must be
+    finite"). Now a ValueError that names the option and the terms."""
+    rewards = RewardSet.parse("exact,numeric", [3e38, 3e38])
+    scorer = RewardScorer(type("T", (), {"rewards": rewards})())
+    problems = [Problem("1+2=", "3"), Problem("1+2=", "3")]
+    total, _, _ = scorer.score(problems, ["4", "3.0"], [[], []])  # 0 + 0 and 0 + 3e38: in range
+    assert total.tolist() == [0.0, pytest.approx(3e38, rel=EPS32)]
+    with pytest.raises(
+        ValueError, match=r"^reward_weights: .*3e\+38 \* exact 1\.0, 3e\+38 \* numeric 1\.0 = 6e\+38"
+    ):
+        scorer.score(problems, ["4", "3"], [[], []])
+    negative = RewardScorer(type("T", (), {"rewards": RewardSet.parse("exact,numeric", [-3e38, -3e38])})())
+    with pytest.raises(ValueError, match="= -6e\\+38 is beyond float32"):
+        negative.score(problems[:1], ["3"], [[]])
 
 
 def kwargs_only_reward(**kwargs):

@@ -285,6 +285,18 @@ def test_a_bad_task_or_option_is_one_line_naming_the_option(task, task_config, m
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("option", [{"prompt_column": "question"}, {"answer_column": "solution"}])
+def test_dataset_column_options_are_refused_for_a_generator(option):
+    """A generator has no columns: ``--prompt-column`` was silently ignored."""
+    ((name, value),) = option.items()
+    message = (
+        f"{name}: applies to --dataset; this run trains on the reasoning-gym task 'reasoning-gym:chain_sum'"
+    )
+    with pytest.raises(ValueError, match=f"^{message}, which would ignore it \\(got '{value}'\\)$"):
+        TrainConfig(task="reasoning-gym:chain_sum", **option).validate()
+    TrainConfig(task="reasoning-gym:chain_sum", system_prompt="Be brief.", reward="task").validate()
+
+
 def test_rewards_must_include_the_verifier_which_decides_correctness():
     """Guards the reward plumbing: a --reward without ``task`` and a --correctness-reward other
     than ``task`` are refused; ``task`` with --dataset names the reasoning-gym option."""

@@ -6,14 +6,17 @@ Every record becomes a ``problem.Problem``: the prompt column (``--prompt-column
 default ``answer``) a string or a finite number (written as text); every other column is kept
 and reaches a custom reward as a keyword argument. A bad record is a ``ValueError`` naming
 ``dataset``, the file and the line (JSONL) or row (other formats, counted from 1); a CSV or
-TSV row with more or fewer fields than its header is one too.
+TSV row with more or fewer fields than its header is one too. Text files are read as UTF-8 (a
+leading byte-order mark is dropped); other bytes are an error naming the file and the line.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import sys
 from pathlib import Path
 
 from softtrust._optional import require
@@ -38,19 +41,15 @@ def read_records(path: str | Path) -> list[tuple[str, object]]:
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         records = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        # split on "\n" only: str.splitlines also breaks at U+2028 and other separators that a JSON
+        # string may hold unescaped
+        for number, line in enumerate(read_text(path).split("\n"), start=1):
             if not line.strip():
                 continue
-            try:
-                records.append((f"{path}:{number}", json.loads(line)))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"dataset: {path}:{number}: not valid JSON ({error})") from error
+            records.append((f"{path}:{number}", _json(line, f"{path}:{number}")))
         return records
     if suffix == ".json":
-        try:
-            loaded = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"dataset: {path}: not valid JSON ({error})") from error
+        loaded = _json(read_text(path), str(path))
         if isinstance(loaded, dict) and all(isinstance(v, list) for v in loaded.values()) and loaded:
             lengths = {len(v) for v in loaded.values()}  # column-oriented {"prompt": [...], ...}
             if len(lengths) != 1:
@@ -76,11 +75,39 @@ def read_records(path: str | Path) -> list[tuple[str, object]]:
     )
 
 
+def read_text(path: Path) -> str:
+    """The file's text as UTF-8, a leading byte-order mark dropped (spreadsheets write one); bytes
+    that are not UTF-8 are a ``ValueError`` naming the file and the line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"dataset: {path}:{line}: not UTF-8 (byte {data[error.start]:#04x} at offset {error.start}: "
+            f"{error.reason}); save the file as UTF-8"
+        ) from None
+
+
+def _json(text: str, where: str):
+    """``json.loads(text)``; bad JSON, or an integer longer than Python converts (4,300 digits),
+    is a ``ValueError`` naming ``where``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"dataset: {where}: not valid JSON ({error})") from None
+    except ValueError:  # int("9" * 5000) is refused by the interpreter (sys.get_int_max_str_digits)
+        raise ValueError(
+            f"dataset: {where}: a number of more than {sys.get_int_max_str_digits()} digits, which "
+            "Python does not read as an integer; write it as a JSON string"
+        ) from None
+
+
 def _read_delimited(path: Path, delimiter: str) -> list[tuple[str, object]]:
     """The records of a CSV or TSV file; a row with more or fewer fields than the header is a
     ``ValueError`` naming the file and the row (``csv.DictReader`` would file the extra fields
     under a column named ``None`` and fill missing ones with ``None``)."""
-    with path.open(newline="") as handle:
+    with io.StringIO(read_text(path), newline="") as handle:
         reader = csv.reader(handle, delimiter=delimiter)
         header = next(reader, None)
         if header is None:
@@ -184,15 +211,21 @@ def problems_from_records(
     """
 
     problems, kind = [], None
-    for where, record in records:
-        if (
-            not isinstance(record, dict)
-            or prompt_column not in record
-            or (need_answer and answer_column not in record)
-        ):
-            wanted = f"{prompt_column!r} and {answer_column!r}" if need_answer else repr(prompt_column)
+    required = (("prompt_column", prompt_column), ("answer_column", answer_column))[: 2 if need_answer else 1]
+    for index, (where, record) in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"dataset: {where}: expected an object (a record), got {str(record)[:80]!r}")
+        for option, column in required:
+            if column in record:
+                continue
+            has = ", ".join(map(repr, record)) or "no columns"
+            if index == 0:  # the option names a column the data does not have
+                raise ValueError(
+                    f"{option}: {column!r} is not a column of the dataset (its first record, {where}, "
+                    f"has {has}); pass --{option.replace('_', '-')} with one of them"
+                )
             raise ValueError(
-                f"dataset: {where}: expected a JSON object with {wanted}, got {str(record)[:80]!r}"
+                f"dataset: {where}: no {column!r} column (the records before it have one); it has {has}"
             )
         prompt = with_system_prompt(
             check_prompt(record[prompt_column], where, prompt_column), system_prompt, where

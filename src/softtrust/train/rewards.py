@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from softtrust._validation import FLOAT32_MAX
+
 from .problem import Problem
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -338,9 +340,24 @@ class RewardScorer:
             sum(r.weight * parts[r.name][i] for r in self.rewards.rewards if parts[r.name][i] is not None)
             for i in range(len(problems))
         ]
+        self.check_range(total, parts)
         deciding = parts[self.rewards.correctness_name]
         correct = [value is not None and value >= 1.0 for value in deciding]
         return torch.tensor(total, dtype=torch.float32), correct, parts
+
+    def check_range(self, total: list[float], parts: dict[str, list]) -> None:
+        """A total beyond float32 (``|Σ_k w_k r_k| > 3.4e38``, e.g. from weights such as
+        ``1e38,1e38``) is a ``ValueError`` naming ``reward_weights`` and the values, not an
+        infinite reward whose advantages would be NaN."""
+        for i, value in enumerate(total):
+            if not abs(value) <= FLOAT32_MAX:
+                terms = ", ".join(
+                    f"{r.weight:g} * {r.name} {parts[r.name][i]!r}" for r in self.rewards.rewards
+                )
+                raise ValueError(
+                    f"reward_weights: a completion's total reward {terms} = {value:g} is beyond float32 "
+                    f"(magnitude at most {FLOAT32_MAX:.4g}); use smaller --reward-weights (or rewards)"
+                )
 
     def __call__(self, completion: str, answer: str) -> float:
         """The total reward of one completion of a plain problem (text only: no token ids)."""

@@ -221,6 +221,7 @@ def check_task(config: TrainConfig) -> None:
     """The task the config trains on exists, and ``task_config`` applies to it: a reasoning-gym
     generator's name and options are checked here (``reasoning_gym_task.check_options``), before
     any work. Raises ``ValueError`` naming ``task`` or ``task_config``."""
+    check_dataset_options(config)
     if config.dataset is None and config.task.startswith(REASONING_GYM):
         check_options(config.task[len(REASONING_GYM) :], config.task_config)
         return
@@ -235,6 +236,29 @@ def check_task(config: TrainConfig) -> None:
             f"task: unknown task {config.task!r}; expected a built-in task {sorted(TASKS)} or "
             f"{REASONING_GYM}NAME (a reasoning-gym generator)"
         )
+
+
+def check_dataset_options(config: TrainConfig) -> None:
+    """A ``ValueError`` naming the first option the run's task would silently ignore: the column
+    options on anything but ``--dataset``; the reward options and ``system_prompt`` also on a
+    built-in task, which scores with its own reward (``reward: exact`` passes: it is what
+    ``TrainConfig.resolved`` records for such a task)."""
+    if config.dataset is not None:
+        return
+    generator = config.task.startswith(REASONING_GYM)
+    unset = {"prompt_column": ("prompt",), "answer_column": ("answer",)}
+    if not generator:
+        unset |= {"system_prompt": (None,), "reward": (None, "exact"), "reward_weights": ([],)}
+        unset |= {"correctness_reward": (None,)}
+    for name, values in unset.items():
+        value = getattr(config, name)
+        if value not in values:
+            kind = "reasoning-gym" if generator else "built-in"
+            also = "" if name.endswith("_column") else " and reasoning-gym tasks"
+            raise ValueError(
+                f"{name}: applies to --dataset{also}; this run trains on the {kind} task {config.task!r}, "
+                f"which would ignore it (got {value!r})"
+            )
 
 
 def default_reward(config: TrainConfig) -> str:
