@@ -218,3 +218,30 @@ def test_the_exported_per_cell_data_gives_the_same_tables(tmp_path, capsys):
     assert c.primary_family(from_files, {}) == c.primary_family(
         c.load_outcomes(tmp_path / "sweep", registration=None), {}
     )
+
+
+def test_export_adds_each_sittings_finished_runs_to_one_file(tmp_path, capsys):
+    """The cells run over several sittings, each from a sweep directory of its own: --export adds a
+    sitting's finished runs to the data file and leaves an unfinished one for the next sitting; a
+    run already in the file with other values (a rerun on another float path) is refused."""
+    import json
+
+    first, second, data = tmp_path / "s1", tmp_path / "s2", tmp_path / "data" / "confirm.json"
+    for seed in SEEDS:
+        write_cell(first if seed < 10 else second, "clip", "N", 4, seed, 0.7)
+    write_run(first / "runs" / "clip" / "N4" / "seed10", curve(0.7, 10)[:3], 40)  # cut at the sitting's end
+    assert c.main(["--export", str(first), str(data)]) == 0
+    assert "5 finished runs in" in capsys.readouterr().out and len(json.loads(data.read_text())) == 5
+    assert c.main(["--export", str(second), str(data)]) == 0
+    assert c.main(["--export", str(second), str(data)]) == 0  # again: nothing changes
+    assert "5 finished runs in" in capsys.readouterr().out.splitlines()[-1]
+    whole = tmp_path / "whole"
+    for seed in SEEDS:
+        write_cell(whole, "clip", "N", 4, seed, 0.7)
+    assert c.load_outcomes(data, registration=None) == c.load_outcomes(whole, registration=None)
+    before = data.read_text()
+    write_cell(tmp_path / "s3", "clip", "N", 4, 5, 0.71)
+    with pytest.raises(SystemExit):
+        c.main(["--export", str(tmp_path / "s3"), str(data)])
+    assert "already holds clip N=4 seed 5 with other values" in capsys.readouterr().err
+    assert data.read_text() == before

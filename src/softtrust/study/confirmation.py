@@ -15,19 +15,22 @@ secondary one (S1, S2) are each adjusted by Holm at α = 0.05.
 
     python -m softtrust.study.confirmation --sync sweeps/confirm --async sweeps/confirm-async \\
         [--mismatch sweeps/confirm-mismatch] [--output docs/confirmation.md]
-    python -m softtrust.study.confirmation --export sweeps/confirm docs/data/confirm.json  # per-cell data
+    python -m softtrust.study.confirmation --export sweeps/confirm docs/data/confirm.json  # adds finished runs
     python -m softtrust.study.confirmation --sync docs/data/confirm.json --async docs/data/confirm-async.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import subprocess
 from pathlib import Path
 
 import yaml
+
+from softtrust._runfiles import atomic_write_text
 
 from .analysis import CollapseCriterion, run_outcome
 from .runs import load_run
@@ -75,6 +78,34 @@ def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:
     return records
 
 
+def export(sweep_dir: Path, target: Path) -> str:
+    """Add the finished runs (complete or stopped) of ``sweep_dir`` to the per-cell data file
+    ``target``, keeping the runs it already holds: the study runs over several sittings, each
+    in a sweep directory of its own, and a run that is unfinished at a sitting's end is left for
+    the next. A run in both must be the same record (a rerun of a cell on another float path
+    differs: a ``ValueError`` naming the run). Returns a line saying what was written."""
+    finished = [record for record in cell_records(sweep_dir) if record["status"] in ("complete", "stopped")]
+    held = json.loads(target.read_text()) if target.is_file() else []
+    merged = {_record_key(record): record for record in held}
+    for record in finished:
+        key = _record_key(record)
+        if merged.get(key, record) != record:
+            raise ValueError(
+                f"{target} already holds {record['cell']} {record['axis']}={record['value']} seed "
+                f"{record['seed']} with other values than {sweep_dir}'s run; keep one of them"
+            )
+        merged[key] = record
+    records = [merged[key] for key in sorted(merged, key=str)]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target, json.dumps(records, separators=(",", ":")) + "\n")
+    added = len(merged) - len(held)
+    return f"{len(finished)} finished runs in {sweep_dir} ({added} new); {len(records)} runs in {target}"
+
+
+def _record_key(record: dict) -> tuple:
+    return (record["cell"], record["axis"], record["value"], record["seed"], record["settings"].get("lr"))
+
+
 _NOT_SETTINGS = ("output_dir", "resume", "progress", "cache_dir", "report_to", "num_threads", "device")
 
 
@@ -112,6 +143,12 @@ def lineage_problem(provenance: dict | None, registration: str) -> str | None:
     commit = (provenance or {}).get("git_commit")
     if not commit:
         return "no recorded commit"
+    return _descent_problem(commit, registration)
+
+
+@functools.cache
+def _descent_problem(commit: str, registration: str) -> str | None:
+    """``lineage_problem``'s git check, once per commit (the study's cells share a few)."""
     result = subprocess.run(  # in this repository (an installed copy without git: cannot check, left out)
         ["git", "merge-base", "--is-ancestor", registration, commit],
         capture_output=True,
@@ -252,10 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         sweep_dir, target = arguments.export
         if not sweep_dir.is_dir():
             parser.error(f"--export: {str(sweep_dir)!r} is not a directory")
-        records = cell_records(sweep_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(records, separators=(",", ":")) + "\n")
-        print(f"{len(records)} runs written to {target}")
+        try:
+            print(export(sweep_dir, target))
+        except ValueError as error:
+            parser.error(f"--export: {error}")
         return 0
     if arguments.sync is None or arguments.asynchronous is None:
         parser.error("--sync and --async are required (or --export SWEEP_DIR FILE)")
