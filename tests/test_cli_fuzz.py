@@ -245,13 +245,6 @@ def sweep_cases() -> list[Case]:
 ALL_CASES = list(
     {case.id: case for case in [*train_field_cases(), *train_special_cases(), *sweep_cases()]}.values()
 )
-# Refused only once the library checks its parameters at construction (issue 37, another change):
-# finite values that overflow float32 still reach the loss.
-LIBRARY_PARAMETERS = {
-    f"train --correction tis:cap={FLOAT32_OVERFLOW}",
-    f"train --method-params eps_high={FLOAT32_OVERFLOW} --method clip",
-    f"sweep --methods=clip[eps_high={FLOAT32_OVERFLOW}]",
-}
 # The default run's sample: one of every kind of failure (about 20).
 SAMPLE = {
     "train --method-params=k_pos=[1",
@@ -280,8 +273,6 @@ SAMPLE = {
 
 def _param(case: Case):
     marks = [] if case.id in SAMPLE else [pytest.mark.slow]
-    if case.id in LIBRARY_PARAMETERS:
-        marks.append(pytest.mark.xfail(reason="library parameter checks (issue 37)", strict=False))
     return pytest.param(case, id=case.id, marks=marks)
 
 
