@@ -5,6 +5,7 @@ and an RL run on 2-digit addition in conversational form.
     python examples/real_model.py build          # -> ~/.cache/softtrust/smollm2-135m-instruct
     python examples/real_model.py data DIR       # DIR/add_train.jsonl (conversations)
     python examples/real_model.py train          # softtrust train on it (see docs/training.md), with a progress bar
+    python examples/real_model.py recipe --seed 0 --output-dir DIR   # the recipe that learns: a + b, a, b < 30
 
 ``build`` loads the GGUF with ``transformers`` (``from_pretrained(dir, gguf_file=...)``, which
 dequantizes to float32) and saves model and tokenizer with ``save_pretrained``; the result is
@@ -83,6 +84,17 @@ def write_dataset(directory: str | Path, count: int = 2000, seed: int = 0) -> Pa
     return path
 
 
+def small_addition_records(limit: int = 30, seed: int = 0) -> list[dict]:
+    """Every ``a + b`` with ``a, b < limit`` (900 problems for 30) in a seeded order, as
+    conversations: the recipe's task (``examples/smollm2_addition.yaml``)."""
+    pairs = [(a, b) for a in range(limit) for b in range(limit)]
+    random.Random(seed).shuffle(pairs)
+    return [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+        for a, b in pairs
+    ]
+
+
 def number_only(completion: str, answer: str) -> float:
     """The format reward: 1 when the reply is a bare integer (what the system prompt asks for)."""
     return float(completion.strip().lstrip("-").isdigit())
@@ -96,6 +108,25 @@ def main(argv: list[str]) -> int:
     if command == "data":
         print(write_dataset(argv[1] if len(argv) > 1 else "."))
         return 0
+    if command == "recipe":  # examples/smollm2_addition.yaml: the settings with which SmolLM2 learns
+        from softtrust.cli import main as softtrust_main
+
+        data = cache_root() / "smollm2-addition-0to29" / "add.jsonl"
+        data.parent.mkdir(parents=True, exist_ok=True)
+        data.write_text("".join(json.dumps(r) + "\n" for r in small_addition_records()))
+        config = Path(__file__).with_name("smollm2_addition.yaml")
+        return softtrust_main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--model",
+                str(smollm2_directory()),
+                "--dataset",
+                str(data),
+                *argv[1:],
+            ]
+        )
     if command == "train":
         from softtrust.cli import main as softtrust_main
 
