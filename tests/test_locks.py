@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -257,3 +258,65 @@ def test_the_sweep_checks_a_queued_cell_again_and_never_deletes_a_lock_file(
     process.wait()
     process.log.close()
     assert (directory / LOCK_FILE).is_file() and not (directory / ".metrics.jsonl.x1y2.tmp").exists()
+
+
+def holder_pid(directory: Path) -> int:
+    """The pid of the live process holding ``directory``'s lock (``lock_holder``: "process 123 on ...")."""
+    return int(re.match(r"process (\d+)", lock_holder(directory)).group(1))
+
+
+def test_two_real_sweeps_at_once_then_a_killed_sweeps_orphaned_cell(micro_model_dir, tmp_path, capsys):
+    """The attack round's sequence with real sweeps, not stand-in lock holders: a second sweep
+    into a running sweep's directory is refused; after the first sweep is SIGKILLed its cell
+    trains on (an orphan) and a restarted sweep refuses that cell; once the orphan is killed too,
+    the next sweep resumes the cell from its checkpoint with one writer: steps 1..n, none twice."""
+    output = tmp_path / "sweep"
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "SOFTTRUST_CACHE": str(tmp_path / "cache"),
+        "OMP_NUM_THREADS": "1",
+    }
+
+    def sweep(max_steps: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "softtrust",
+            *sweep_argv(micro_model_dir, output, max_steps),
+            "--save-every",
+            "1",
+        ]
+
+    cell = output / "runs" / "clip" / "N1" / "seed0"
+    first = subprocess.Popen(
+        sweep(100_000), env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    orphan = None
+    try:
+        deadline = time.time() + 180
+        while lock_holder(cell) is None or not (cell / "checkpoints" / "latest").is_file():  # the cell trains
+            assert first.poll() is None, first.stderr.read()
+            assert time.time() < deadline, "the first sweep's cell never started"
+            time.sleep(0.05)
+        orphan = holder_pid(cell)
+        second = subprocess.run(sweep(100_000), env=environment, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+        assert f"is in use by process {first.pid}" in second.stderr
+        kill(first)  # the sweep dies; its cell does not
+        assert holder_pid(cell) == orphan
+        third = subprocess.run(sweep(100_000), env=environment, capture_output=True, text=True, timeout=300)
+        assert third.returncode == 2 and "Traceback" not in third.stderr, third.stderr
+        assert f"its run directory {str(cell)!r} is in use by process {orphan}" in third.stderr
+    finally:
+        if first.poll() is None:
+            kill(first)
+        if orphan is not None:
+            os.kill(orphan, signal.SIGKILL)
+    deadline = time.time() + 60
+    while lock_holder(cell) is not None and time.time() < deadline:  # the kernel drops the orphan's lock
+        time.sleep(0.05)
+    done = len(read_metrics(cell))
+    last = subprocess.run(sweep(done + 2), env=environment, capture_output=True, text=True, timeout=600)
+    assert last.returncode == 0, last.stderr
+    assert [m["step"] for m in read_metrics(cell)] == list(range(1, done + 3))
