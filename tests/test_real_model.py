@@ -86,3 +86,50 @@ def test_smollm2_trains_on_conversations_with_its_chat_template(tmp_path):
     assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
     assert all("<|im_end|>" not in s["completion"] for s in samples)  # decoded without special tokens
     assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def test_the_recipe_runs_its_yaml_on_every_small_sum(tmp_path, monkeypatch):
+    """``real_model.py recipe``: ``softtrust train --config examples/smollm2_addition.yaml`` on the
+    900 sums a + b (a, b < 30), each once, in the seeded order the documented runs used (fast:
+    ``softtrust train`` is a stand-in)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import real_model
+
+    import softtrust.cli
+
+    calls = []
+    monkeypatch.setattr(real_model, "smollm2_directory", lambda: tmp_path / "model")
+    monkeypatch.setattr(real_model, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(softtrust.cli, "main", lambda argv: calls.append(argv) or 0)
+    assert real_model.main(["recipe", "--seed", "2"]) == 0
+    ((_, _, config, _, model, _, data, *rest),) = calls
+    assert Path(config) == EXAMPLES / "smollm2_addition.yaml" and model == str(tmp_path / "model")
+    assert rest == ["--seed", "2"]
+    records = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    sums = {(r["prompt"][0]["content"], r["answer"]) for r in records}
+    assert len(records) == len(sums) == 900
+    assert sums == {(f"What is {a} + {b}?", str(a + b)) for a in range(30) for b in range(30)}
+    assert records[0]["prompt"][0]["content"] == "What is 10 + 16?"  # the order of the documented runs
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_the_recipe_trains_end_to_end_for_a_few_steps(tmp_path):
+    """The documented recipe (docs/training.md), 2 steps and 16 held-out problems: it runs, and
+    the run records the YAML's settings."""
+    import yaml
+
+    sys.path.insert(0, str(EXAMPLES))
+    import real_model
+
+    run = tmp_path / "run"
+    argv = ["recipe", "--max-steps", "2", "--eval-size", "16", "--eval-every", "0", "--no-progress"]
+    assert real_model.main([*argv, "--output-dir", str(run)]) == 0
+    recipe = yaml.safe_load((EXAMPLES / "smollm2_addition.yaml").read_text())
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    for key, value in recipe.items():
+        if key not in ("max_steps", "eval_size", "eval_every"):
+            assert recorded[key] == value, key
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and 0.0 <= summary["accuracy_before"] <= 1.0
+    assert summary["accuracy_before"] * 16 == round(summary["accuracy_before"] * 16)  # a share of 16
