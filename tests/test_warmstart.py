@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,9 @@ def test_a_copy_of_the_same_files_elsewhere_is_the_same_entry(tmp_path):
     original = micro_config(str(model), tmp_path / "a", dataset=str(model / "chats.jsonl"), **config)
     copied = micro_config(str(copy), tmp_path / "b", dataset=str(copy / "chats.jsonl"), **config)
     assert not warm_start_cached(original) and warm_start_cached(copied)
+    (entry,) = (tmp_path / "cache").rglob("*.safetensors")  # mkstemp's 0600 survived the rename
+    (tmp_path / "plain").write_text("x")
+    assert stat.S_IMODE(entry.stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
     assert content_fingerprint(model) == content_fingerprint(copy)
     assert content_fingerprint(tmp_path / "nothing").startswith("missing:")
 

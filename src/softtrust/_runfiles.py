@@ -27,13 +27,27 @@ def fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# The mode ``open()`` gives a new file (0644 under the usual umask). ``mkstemp``'s temporaries are
+# 0600 and a rename keeps that, so a file written atomically is given this mode before the
+# rename. The umask is read once, at import, while nothing else runs.
+PLAIN_FILE_MODE = 0o666 & ~_umask()
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file, ``fsync`` and ``os.replace``:
-    a reader sees the old content or the new, never a torn file."""
+    a reader sees the old content or the new, never a torn file. The file gets the mode a plain
+    write would give it (``PLAIN_FILE_MODE``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(temporary, PLAIN_FILE_MODE)
         with os.fdopen(descriptor, "w") as handle:
             handle.write(text)
             handle.flush()

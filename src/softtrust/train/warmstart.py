@@ -29,6 +29,8 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load_model, save_model
 
+from softtrust._runfiles import PLAIN_FILE_MODE
+
 from .rollout import encode_prompts
 from .tiny import TinyModelConfig
 
@@ -286,6 +288,7 @@ def _save_atomically(model, cache_file: Path, taken: int, accuracy: float | None
     os.close(descriptor)
     try:
         save_model(model, temporary, metadata=metadata)
+        os.chmod(temporary, PLAIN_FILE_MODE)  # mkstemp's 0600 would survive the rename
         os.replace(temporary, cache_file)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
