@@ -20,9 +20,9 @@ needs_smollm2 = pytest.mark.skipif(
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def test_the_worked_example_trains_with_a_progress_bar(tmp_path, monkeypatch):
-    """Old behaviour: ``real_model.py train`` passed ``--no-progress``: minutes of silence per step
-    (fast: the model directory and ``softtrust train`` are stand-ins, only the command is checked)."""
+def stand_ins(tmp_path, monkeypatch):
+    """``examples/real_model.py`` with the model directory and ``softtrust train`` stood in for:
+    the module and the list of argument lists ``softtrust train`` was called with."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import real_model
 
@@ -32,6 +32,13 @@ def test_the_worked_example_trains_with_a_progress_bar(tmp_path, monkeypatch):
     monkeypatch.setattr(real_model, "smollm2_directory", lambda: tmp_path / "model")
     monkeypatch.setattr(real_model, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(softtrust.cli, "main", lambda argv: calls.append(argv) or 0)
+    return real_model, calls
+
+
+def test_the_worked_example_trains_with_a_progress_bar(tmp_path, monkeypatch):
+    """Old behaviour: ``real_model.py train`` passed ``--no-progress``: minutes of silence per step
+    (fast: the model directory and ``softtrust train`` are stand-ins, only the command is checked)."""
+    real_model, calls = stand_ins(tmp_path, monkeypatch)
     assert real_model.main(["train", "--max-steps", "8"]) == 0
     (argv,) = calls
     assert "--no-progress" not in argv and argv[-2:] == ["--max-steps", "8"]
@@ -92,15 +99,7 @@ def test_the_recipe_runs_its_yaml_on_every_small_sum(tmp_path, monkeypatch):
     """``real_model.py recipe``: ``softtrust train --config examples/smollm2_addition.yaml`` on the
     900 sums a + b (a, b < 30), each once, in the seeded order the documented runs used (fast:
     ``softtrust train`` is a stand-in)."""
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    import real_model
-
-    import softtrust.cli
-
-    calls = []
-    monkeypatch.setattr(real_model, "smollm2_directory", lambda: tmp_path / "model")
-    monkeypatch.setattr(real_model, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(softtrust.cli, "main", lambda argv: calls.append(argv) or 0)
+    real_model, calls = stand_ins(tmp_path, monkeypatch)
     assert real_model.main(["recipe", "--seed", "2"]) == 0
     ((_, _, config, _, model, _, data, *rest),) = calls
     assert Path(config) == EXAMPLES / "smollm2_addition.yaml" and model == str(tmp_path / "model")
