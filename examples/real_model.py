@@ -6,6 +6,8 @@ and an RL run on 2-digit addition in conversational form.
     python examples/real_model.py data DIR       # DIR/add_train.jsonl (conversations)
     python examples/real_model.py train          # softtrust train on it (see docs/training.md), with a progress bar
     python examples/real_model.py recipe --seed 0 --output-dir DIR   # the recipe that learns: a + b, a, b < 30
+    python examples/smollm2_trl.py run --seed 0 --output-dir DIR     # the same recipe through TRL
+    python examples/real_model.py pilot --output-dir DIR             # clip and VESPO at N = 1 and 8 (a sweep)
 
 ``build`` loads the GGUF with ``transformers`` (``from_pretrained(dir, gguf_file=...)``, which
 dequantizes to float32) and saves model and tokenizer with ``save_pretrained``; the result is
@@ -95,6 +97,14 @@ def small_addition_records(limit: int = 30, seed: int = 0) -> list[dict]:
     ]
 
 
+def recipe_dataset() -> Path:
+    """The recipe's 900 sums (``small_addition_records``) as JSONL in the cache, written afresh."""
+    data = cache_root() / "smollm2-addition-0to29" / "add.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in small_addition_records()))
+    return data
+
+
 def number_only(completion: str, answer: str) -> float:
     """The format reward: 1 when the reply is a bare integer (what the system prompt asks for)."""
     return float(completion.strip().lstrip("-").isdigit())
@@ -111,9 +121,7 @@ def main(argv: list[str]) -> int:
     if command == "recipe":  # examples/smollm2_addition.yaml: the settings with which SmolLM2 learns
         from softtrust.cli import main as softtrust_main
 
-        data = cache_root() / "smollm2-addition-0to29" / "add.jsonl"
-        data.parent.mkdir(parents=True, exist_ok=True)
-        data.write_text("".join(json.dumps(r) + "\n" for r in small_addition_records()))
+        data = recipe_dataset()
         config = Path(__file__).with_name("smollm2_addition.yaml")
         return softtrust_main(
             [
@@ -126,6 +134,13 @@ def main(argv: list[str]) -> int:
                 str(data),
                 *argv[1:],
             ]
+        )
+    if command == "pilot":  # the real-model staleness pilot: softtrust sweep --preset pilot-smollm2
+        from softtrust.cli import main as softtrust_main
+
+        model, data = str(smollm2_directory()), str(recipe_dataset())
+        return softtrust_main(
+            ["sweep", "--preset", "pilot-smollm2", "--model", model, "--dataset", data, *argv[1:]]
         )
     if command == "train":
         from softtrust.cli import main as softtrust_main

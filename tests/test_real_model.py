@@ -111,6 +111,21 @@ def test_the_recipe_runs_its_yaml_on_every_small_sum(tmp_path, monkeypatch):
     assert records[0]["prompt"][0]["content"] == "What is 10 + 16?"  # the order of the documented runs
 
 
+def test_the_pilot_sweeps_its_preset_on_the_model_and_the_recipes_sums(tmp_path, monkeypatch):
+    """``real_model.py pilot``: ``softtrust sweep --preset pilot-smollm2`` with the built model and
+    the recipe's dataset, the user's sweep flags after them (fast: ``softtrust`` is a stand-in)."""
+    real_model, calls = stand_ins(tmp_path, monkeypatch)
+    assert real_model.main(["pilot", "--output-dir", "out", "--seeds", "0,"]) == 0
+    ((command, _, preset, _, model, _, data, *rest),) = calls
+    assert (command, preset, model) == ("sweep", "pilot-smollm2", str(tmp_path / "model"))
+    assert len(Path(data).read_text().splitlines()) == 900 and rest == [
+        "--output-dir",
+        "out",
+        "--seeds",
+        "0,",
+    ]
+
+
 @pytest.mark.slow
 @needs_smollm2
 def test_the_recipe_trains_end_to_end_for_a_few_steps(tmp_path):
@@ -132,3 +147,105 @@ def test_the_recipe_trains_end_to_end_for_a_few_steps(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and 0.0 <= summary["accuracy_before"] <= 1.0
     assert summary["accuracy_before"] * 16 == round(summary["accuracy_before"] * 16)  # a share of 16
+
+
+def trl_twin(monkeypatch):
+    """``examples/smollm2_trl.py``, importable."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import smollm2_trl
+
+    return smollm2_trl
+
+
+def test_the_trl_twin_maps_the_recipe_onto_grpo_config(tmp_path, monkeypatch):
+    """``smollm2_trl.grpo_config``: the recipe's batch (G x m completions in one generation batch),
+    one optimizer step per rollout, its sampling, optimizer and advantage settings; TRL's own
+    defaults that would differ from ``softtrust train`` (gradient checkpointing on, a linear
+    schedule, a KL term) are set to softtrust's."""
+    pytest.importorskip("trl")
+    twin = trl_twin(monkeypatch)
+    config = twin.recipe_config("model-dir", str(tmp_path / "add.jsonl"), seed=3)
+    args = twin.grpo_config(config, str(tmp_path / "out"))
+    assert (args.per_device_train_batch_size, args.num_generations) == (64, 8)
+    assert (args.gradient_accumulation_steps, args.steps_per_generation, args.num_iterations) == (1, 1, 1)
+    assert (args.max_completion_length, args.temperature, args.learning_rate) == (32, 1.0, 5e-6)
+    assert (args.max_steps, args.seed, args.beta, args.scale_rewards) == (30, 3, 0.0, "group")
+    assert args.gradient_checkpointing is False and args.lr_scheduler_type == "constant"
+    assert (args.max_grad_norm, args.weight_decay) == (config.max_grad_norm, config.weight_decay)
+    with pytest.raises(ValueError, match="staleness 1"):
+        twin.grpo_config(config.replace(staleness=4), str(tmp_path / "out"))
+
+
+def test_the_trl_twin_trains_on_every_problem_but_softtrusts_held_out_ones(tmp_path, monkeypatch):
+    """``smollm2_trl.split``: the held-out problems are ``softtrust train``'s (its evaluation seed),
+    and TRL's training set is the rest of the dataset: disjoint, and together all of it."""
+    twin = trl_twin(monkeypatch)
+    import real_model
+
+    from softtrust.train import tasks
+    from softtrust.train.warmstart import EVAL_SEED
+
+    monkeypatch.setattr(real_model, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(tasks, "check_prompts", lambda *args: None)  # needs the model's tokenizer
+    data = real_model.recipe_dataset()
+    config = twin.recipe_config("model-dir", str(data), eval_size=300)
+    task, held_out, train = twin.split(config)
+    assert [p.prompt for p in held_out] == [p.prompt for p in tasks.task_and_held_out(config, EVAL_SEED)[1]]
+    assert len(held_out) == 300 and len(train) == 600
+    assert not {p.prompt for p in held_out} & {p.prompt for p in train}
+    assert {p.prompt for p in held_out} | {p.prompt for p in train} == {p.prompt for p in task.problems}
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_the_recipe_runs_through_trl_and_evaluates_softtrusts_held_out_set(tmp_path, monkeypatch):
+    """One step of the recipe through TRL's GRPOTrainer with softtrust's loss: its held-out
+    accuracy before training equals ``softtrust train``'s on the same 16 problems, each step is
+    timed, and its reward is the task's (a share of the group's completions: 0..1)."""
+    pytest.importorskip("trl")
+    twin = trl_twin(monkeypatch)
+    import real_model
+
+    from softtrust.cli import main as softtrust_main
+
+    model, data = str(real_model.smollm2_directory()), str(real_model.recipe_dataset())
+    small = {"max_steps": 1, "eval_size": 16, "eval_every": 0, "group_size": 2, "prompts_per_step": 2}
+    result = twin.run(model, data, 0, str(tmp_path / "trl"), max_new_tokens=8, **small)
+    assert json.loads((tmp_path / "trl" / "trl_result.json").read_text()) == result
+    assert [step for step, _ in result["accuracy"]] == [0, 1] and len(result["step_seconds"]) == 1
+    assert len(result["reward"]) == 1 and 0.0 <= result["reward"][0] <= 1.0
+    argv = ["train", "--config", str(twin.RECIPE), "--model", model, "--dataset", data, "--no-progress"]
+    argv += ["--max-new-tokens", "8", "--output-dir", str(tmp_path / "st")]
+    for key, value in small.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    assert softtrust_main(argv) == 0
+    summary = json.loads((tmp_path / "st" / "summary.json").read_text())
+    assert result["accuracy"][0][1] == summary["accuracy_before"]
+
+
+def test_the_comparison_table_reads_both_runs_files(tmp_path, monkeypatch):
+    """``smollm2_trl.compare``: held-out accuracy by step from a softtrust run's ``events.jsonl``
+    and ``metrics.jsonl`` and from ``trl_result.json``, the mean reward of the first and last five
+    steps, and the step seconds (median, sum) of each."""
+    twin = trl_twin(monkeypatch)
+    ours, theirs = tmp_path / "softtrust", tmp_path / "trl"
+    ours.mkdir(), theirs.mkdir()
+    (ours / "events.jsonl").write_text('{"step": 0, "eval/accuracy": 0.3}\n{"step": 0, "warning": "w"}\n')
+    lines = [{"step": s, "reward/mean": s / 10, "seconds": 40.0 + s} for s in range(1, 11)]
+    lines[-1]["eval/accuracy"] = 0.5
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (ours / "summary.json").write_text('{"wall_seconds": 600}')
+    trl_result = {
+        "accuracy": [[0, 0.3], [10, 0.45]],
+        "reward": [0.1] * 5 + [0.3] * 5,
+        "step_seconds": [50.0] * 10,
+    }
+    (theirs / "trl_result.json").write_text(json.dumps(trl_result))
+    table = twin.compare(str(ours), str(theirs)).splitlines()
+    assert table[2:] == [
+        "| held-out, step 0 | 30.0% | 30.0% |",
+        "| held-out, step 10 | 50.0% | 45.0% |",
+        "| reward, first 5 → last 5 steps | 0.30 → 0.80 | 0.10 → 0.30 |",
+        "| step seconds, median | 45.5 | 50.0 |",
+        "| step seconds, sum of 10 | 455 | 500 |",
+    ]

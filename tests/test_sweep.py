@@ -457,14 +457,15 @@ def test_an_lr_flag_with_a_preset_that_has_an_lr_axis_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------- presets and paired statistics
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_every_preset_builds_a_valid_grid(name, tmp_path):
+def test_every_preset_builds_a_valid_grid(name, tmp_path, micro_model_dir):
     from softtrust.cli import build_parser
     from softtrust.study.cli import PRESETS, sweep_from_arguments
 
-    arguments, extra = build_parser().parse_known_args(
-        ["sweep", "--preset", name, "--output-dir", str(tmp_path)]
-    )
-    sweep = sweep_from_arguments(arguments, extra)
+    argv = ["sweep", "--preset", name, "--output-dir", str(tmp_path / "sweep")]
+    given = {"model": str(micro_model_dir), "dataset": str(micro_model_dir / "sums.jsonl")}
+    for key in PRESETS[name].get("requires", ()):  # a model and data of the user's own
+        argv += [f"--{key}", given[key]]
+    sweep = sweep_from_arguments(*build_parser().parse_known_args(argv))
     sweep.validate()  # every cell's TrainConfig, method spec and level
     expected = dict(PRESETS[name]["overrides"])
     if "lrs" in PRESETS[name]:  # the learning rate is a grid axis: the setup's own lr gives way
@@ -472,6 +473,30 @@ def test_every_preset_builds_a_valid_grid(name, tmp_path):
         assert sweep.lrs == PRESETS[name]["lrs"] and "lr" not in sweep.overrides
     assert sweep.overrides.items() >= expected.items()
     assert sweep.jobs == PRESETS[name].get("jobs", os.cpu_count() or 1)  # async: one cell at a time
+
+
+def test_the_real_model_pilot_needs_a_model_and_data_and_runs_without_a_warm_start(tmp_path):
+    """``--preset pilot-smollm2`` (issue 34): without ``--model`` and ``--dataset`` it is one error
+    naming both (its setup would otherwise fall back to the embedded model); with them, every
+    cell trains that model from its pretrained weights (no supervised warm start)."""
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+
+    argv = ["sweep", "--preset", "pilot-smollm2", "--output-dir", str(tmp_path / "sweep")]
+    with pytest.raises(ValueError, match="pilot-smollm2: needs --model and --dataset"):
+        sweep_from_arguments(*build_parser().parse_known_args(argv))
+    with pytest.raises(ValueError, match="needs --dataset"):
+        sweep_from_arguments(*build_parser().parse_known_args([*argv, "--model", str(tmp_path)]))
+    argv += ["--model", str(tmp_path), "--dataset", str(tmp_path / "add.jsonl")]
+    sweep = sweep_from_arguments(*build_parser().parse_known_args(argv))
+    configs = [sweep.cell_config(cell) for cell in sweep.cells()]
+    assert (
+        len(configs) == 12
+        and {c.staleness for c in configs} == {1, 8}
+        and {c.seed for c in configs} == {0, 1, 2}
+    )
+    assert {c.model for c in configs} == {str(tmp_path)} and {c.effective_sft_steps for c in configs} == {0}
+    assert {c.max_steps % 8 for c in configs} == {0}  # whole rollouts at N = 8
 
 
 def test_presets_of_the_next_runs_route_corrections_and_the_async_axis(tmp_path):

@@ -20,7 +20,9 @@ def add_sweep_arguments(parser) -> None:
         "lr-stability: the largest stable learning rate per method and N, ~25 min; lr-stability-long: the same "
         "on the long-completion setup, ~55 min; "
         "vespo-ablations: the paper's VESPO ablations; controls, ceiling, head-to-head, async, mismatch, "
-        "mismatch-pilot: the next runs, docs/results.md); flags override it.",
+        "mismatch-pilot: the next runs, docs/results.md; confirm-*: the confirmation study, docs/preregistration.md; "
+        "pilot-smollm2: clip and VESPO at N = 1 and 8 on SmolLM2-135M-Instruct, needs --model and --dataset, "
+        "examples/real_model.py pilot); flags override it.",
     )
     parser.add_argument(
         "--methods",
@@ -117,6 +119,10 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
     ):  # an lr axis replaces the preset's lr (a given --lr is refused)
         setup.pop(LR_AXIS_FIELD, None)
     overrides = {**setup, **overrides}  # flags override the preset's setup
+    missing = [key for key in preset.get("requires", ()) if overrides.get(key) is None]
+    if missing:
+        flags = " and ".join("--" + key.replace("_", "-") for key in missing)
+        raise ValueError(f"--preset {name}: needs {flags} (its setup is for a model and data of your own)")
     overrides.setdefault("num_threads", 1)
     mode = overrides.get("mode", "sync")
     axis_text, axis_name = given_or(arguments.staleness, preset["staleness"]), "staleness"

@@ -28,6 +28,26 @@ STUDY_SETUP = {
     "eval_every": 16,
 }
 
+# The real-model pilot (issue 34): SmolLM2-135M-Instruct on the recipe's task (examples/
+# smollm2_addition.yaml: "What is a + b?", a, b < 30, 300 held out, the `math` reward), no
+# supervised warm start (the pretrained model starts at 30 % held-out), the recipe's G = 8 x m = 8,
+# 32 new tokens and lr 5e-6, but 24 optimizer steps instead of 30 (at N = 8 that is three whole
+# rollouts) and an evaluation every 8 steps (at each rollout's end). The model and dataset are
+# the user's files: `--model` and `--dataset` are required (examples/real_model.py pilot fills them).
+PILOT_SETUP = {
+    "reward": "math",
+    "group_size": 8,
+    "prompts_per_step": 8,
+    "max_new_tokens": 32,
+    "temperature": 1.0,
+    "lr": 5e-6,
+    "max_steps": 24,
+    "sft_steps": 0,
+    "sft_target_accuracy": None,
+    "eval_size": 300,
+    "eval_every": 8,
+}
+
 CONFIRM_SEEDS = "5,6,7,8,9,10,11,12,13,14"  # the confirmation study's fresh seeds (docs/preregistration.md)
 
 PRESETS = {
@@ -146,6 +166,17 @@ PRESETS = {
         "staleness": "1",
         "seeds": "0,",
         "overrides": {**STUDY_SETUP, "mismatch": "bf16", "max_steps": 32},
+    },
+    # The first result on a pretrained language model (issue 34): clip and VESPO, on-policy and
+    # N = 8, seeds 0-2, on SmolLM2-135M-Instruct. 12 cells of 24 steps, ~25-30 min a cell on one
+    # core (the recipe: 50-65 s a step, evaluation included), so ~6 h of cell time; resumable.
+    "pilot-smollm2": {
+        "methods": "clip,vespo",
+        "staleness": "1,8",
+        "seeds": "3",
+        "reference": "vespo",
+        "requires": ("model", "dataset"),
+        "overrides": PILOT_SETUP,
     },
     # The confirmation study (issue 36), registered in docs/preregistration.md before any of its
     # cells ran: fresh seeds 5-14, the long-completion setup, lr 1e-4. The presets share one
