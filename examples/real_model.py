@@ -98,10 +98,15 @@ def small_addition_records(limit: int = 30, seed: int = 0) -> list[dict]:
 
 
 def recipe_dataset() -> Path:
-    """The recipe's 900 sums (``small_addition_records``) as JSONL in the cache, written afresh."""
+    """The recipe's 900 sums (``small_addition_records``) as JSONL in the cache (rewritten, whole,
+    only when it differs)."""
+    from softtrust._runfiles import atomic_write_text
+
     data = cache_root() / "smollm2-addition-0to29" / "add.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in small_addition_records()))
+    text = "".join(json.dumps(r) + "\n" for r in small_addition_records())
+    if not data.is_file() or data.read_text() != text:  # a run reading it never sees it half-written
+        data.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(data, text)
     return data
 
 

@@ -49,8 +49,19 @@ def grpo_config(config, output_dir: str):
     ``group_size × prompts_per_step`` completions a step, one optimizer step on it (N = 1)."""
     from trl import GRPOConfig
 
-    if config.staleness != 1 or config.mode != "sync" or config.kl_coef != 0 or config.warmup_steps:
-        raise ValueError("grpo_config: maps the on-policy recipe only (staleness 1, sync, no KL, no warm-up)")
+    same = {
+        "staleness": 1,
+        "mode": "sync",
+        "kl_coef": 0,
+        "warmup_steps": 0,
+        "advantages": "group",
+        "top_p": None,
+    }
+    same |= {"top_k": None, "mask_truncated": False, "overlong_penalty": [], "filter_groups": False}
+    same |= {"mismatch": "none", "correction": None, "dtype": "fp32", "sft_steps": 0}
+    differs = {key: getattr(config, key) for key, value in same.items() if getattr(config, key) != value}
+    if differs:  # what this twin does not reproduce in TRL (or TRL does otherwise: top-k/p scoring)
+        raise ValueError(f"grpo_config: maps the recipe's settings only; got {differs}, expected {same}")
     return GRPOConfig(
         output_dir=output_dir,
         loss_type="dapo",  # token-mean over the generation batch; the loss itself is policy_loss below
@@ -67,6 +78,8 @@ def grpo_config(config, output_dir: str):
         weight_decay=config.weight_decay,
         max_grad_norm=config.max_grad_norm,
         optim="adamw_torch",
+        bf16=False,  # TRL's default is bf16 mixed precision, on a CPU too; softtrust trains in float32
+        fp16=False,
         gradient_checkpointing=config.gradient_checkpointing,  # TRL's default is on; softtrust's off
         beta=0.0,
         scale_rewards=config.advantage_scale or "group",
@@ -153,6 +166,7 @@ def run(model: str, dataset: str, seed: int, output_dir: str, **overrides) -> di
         callbacks=[StepTimes()],
     )
     trainer.remove_callback(PrinterCallback)
+    result["mixed_precision"] = trainer.accelerator.mixed_precision  # "no": float32, as softtrust
     trainer.train()
     evaluate(trainer.state.global_step)
     result["reward"] = [e["reward"] for e in trainer.state.log_history if "reward" in e]
@@ -206,7 +220,8 @@ def compare(softtrust_run: str, trl_run: str) -> str:
                 f"{theirs['first']:.2f} → {theirs['last']:.2f} |")  # fmt: skip
     rows.append(f"| step seconds, median | {ours['median']:.1f} | {theirs['median']:.1f} |")
     rows.append(
-        f"| step seconds, sum of {len(ours['step_seconds'])} | {ours['total']:.0f} | {theirs['total']:.0f} |"
+        f"| step seconds, sum | {ours['total']:.0f} ({len(ours['step_seconds'])} steps) | "
+        f"{theirs['total']:.0f} ({len(theirs['step_seconds'])} steps) |"
     )
     return "\n".join(rows)
 

@@ -171,9 +171,12 @@ def test_the_trl_twin_maps_the_recipe_onto_grpo_config(tmp_path, monkeypatch):
     assert (args.max_completion_length, args.temperature, args.learning_rate) == (32, 1.0, 5e-6)
     assert (args.max_steps, args.seed, args.beta, args.scale_rewards) == (30, 3, 0.0, "group")
     assert args.gradient_checkpointing is False and args.lr_scheduler_type == "constant"
+    assert (args.bf16, args.fp16, args.use_cpu) == (False, False, True)  # float32, as softtrust trains
+    assert (args.top_p, args.top_k, args.optim) == (1.0, 0, "adamw_torch")
     assert (args.max_grad_norm, args.weight_decay) == (config.max_grad_norm, config.weight_decay)
-    with pytest.raises(ValueError, match="staleness 1"):
-        twin.grpo_config(config.replace(staleness=4), str(tmp_path / "out"))
+    for changed in ({"staleness": 4}, {"mask_truncated": True}, {"top_k": 5}, {"dtype": "bf16"}):
+        with pytest.raises(ValueError, match=f"got {changed}"):  # settings the twin does not reproduce
+            twin.grpo_config(config.replace(**changed), str(tmp_path / "out"))
 
 
 def test_the_trl_twin_trains_on_every_problem_but_softtrusts_held_out_ones(tmp_path, monkeypatch):
@@ -213,6 +216,7 @@ def test_the_recipe_runs_through_trl_and_evaluates_softtrusts_held_out_set(tmp_p
     result = twin.run(model, data, 0, str(tmp_path / "trl"), max_new_tokens=8, **small)
     assert json.loads((tmp_path / "trl" / "trl_result.json").read_text()) == result
     assert [step for step, _ in result["accuracy"]] == [0, 1] and len(result["step_seconds"]) == 1
+    assert result["mixed_precision"] == "no"  # TRL's default would be bf16 autocast, on a CPU too
     assert len(result["reward"]) == 1 and 0.0 <= result["reward"][0] <= 1.0
     argv = ["train", "--config", str(twin.RECIPE), "--model", model, "--dataset", data, "--no-progress"]
     argv += ["--max-new-tokens", "8", "--output-dir", str(tmp_path / "st")]
@@ -247,5 +251,5 @@ def test_the_comparison_table_reads_both_runs_files(tmp_path, monkeypatch):
         "| held-out, step 10 | 50.0% | 45.0% |",
         "| reward, first 5 → last 5 steps | 0.30 → 0.80 | 0.10 → 0.30 |",
         "| step seconds, median | 45.5 | 50.0 |",
-        "| step seconds, sum of 10 | 455 | 500 |",
+        "| step seconds, sum | 455 (10 steps) | 500 (10 steps) |",
     ]

@@ -483,7 +483,7 @@ def test_the_real_model_pilot_needs_a_model_and_data_and_runs_without_a_warm_sta
     from softtrust.study.cli import sweep_from_arguments
 
     argv = ["sweep", "--preset", "pilot-smollm2", "--output-dir", str(tmp_path / "sweep")]
-    with pytest.raises(ValueError, match="pilot-smollm2: needs --model and --dataset"):
+    with pytest.raises(ValueError, match="pilot-smollm2: needs --model and --dataset .*real_model.py pilot"):
         sweep_from_arguments(*build_parser().parse_known_args(argv))
     with pytest.raises(ValueError, match="needs --dataset"):
         sweep_from_arguments(*build_parser().parse_known_args([*argv, "--model", str(tmp_path)]))
@@ -495,8 +495,11 @@ def test_the_real_model_pilot_needs_a_model_and_data_and_runs_without_a_warm_sta
         and {c.staleness for c in configs} == {1, 8}
         and {c.seed for c in configs} == {0, 1, 2}
     )
-    assert {c.model for c in configs} == {str(tmp_path)} and {c.effective_sft_steps for c in configs} == {0}
+    assert {c.model for c in configs} == {str(tmp_path)} and {c.sft_steps for c in configs} == {0}
     assert {c.max_steps % 8 for c in configs} == {0}  # whole rollouts at N = 8
+    record = {"overrides": {"model": "/models/smollm2", "dataset": "/data/add.jsonl"}}  # --report-only
+    arguments, extra = build_parser().parse_known_args(argv[:5])
+    assert sweep_from_arguments(arguments, extra, record).overrides.items() >= record["overrides"].items()
 
 
 def test_presets_of_the_next_runs_route_corrections_and_the_async_axis(tmp_path):

@@ -119,10 +119,15 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
     ):  # an lr axis replaces the preset's lr (a given --lr is refused)
         setup.pop(LR_AXIS_FIELD, None)
     overrides = {**setup, **overrides}  # flags override the preset's setup
+    for key in preset.get("requires", ()):  # --report-only: the sweep's record has them
+        if overrides.get(key) is None and record is not None:
+            overrides[key] = record.get("overrides", {}).get(key)
     missing = [key for key in preset.get("requires", ()) if overrides.get(key) is None]
     if missing:
         flags = " and ".join("--" + key.replace("_", "-") for key in missing)
-        raise ValueError(f"--preset {name}: needs {flags} (its setup is for a model and data of your own)")
+        raise ValueError(
+            f"--preset {name}: needs {flags} (its setup is for a model and data of your own; {preset['requires_hint']})"
+        )
     overrides.setdefault("num_threads", 1)
     mode = overrides.get("mode", "sync")
     axis_text, axis_name = given_or(arguments.staleness, preset["staleness"]), "staleness"

@@ -176,6 +176,7 @@ PRESETS = {
         "seeds": "3",
         "reference": "vespo",
         "requires": ("model", "dataset"),
+        "requires_hint": "python examples/real_model.py pilot gives both",
         "overrides": PILOT_SETUP,
     },
     # The confirmation study (issue 36), registered in docs/preregistration.md before any of its
