@@ -60,7 +60,8 @@ def main(max_steps: int = 4) -> SoftTrustGRPOTrainer:
         max_steps=max_steps,
         learning_rate=3e-3,  # REAL: e.g. 1e-6
         logging_steps=1,
-        use_cpu=True,  # REAL: remove, and add bf16=True
+        use_cpu=True,  # REAL: remove
+        bf16=False,  # TRL autocasts to bf16 by default, on a CPU too; REAL: bf16=True
         # REAL: use_vllm=True, vllm_mode="colocate",
         #       vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
         #       vllm_importance_sampling_clip_max=3.0,   (the TIS below mirrors these three settings)

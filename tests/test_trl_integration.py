@@ -489,3 +489,4 @@ def test_examples_train_and_print_the_logged_loss(capsys, name, weight_metric):
         assert f"step {step}: loss {loss:+.4f}" in printed
     assert logged(trainer, "softtrust/ratio/max")[1] > 1.0  # step 2 is off-policy
     assert f"softtrust/{weight_metric}/mean" in trainer.state.log_history[0]
+    assert trainer.args.bf16 is False and trainer.accelerator.mixed_precision == "no"  # as in trl.md
