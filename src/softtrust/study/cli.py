@@ -119,10 +119,12 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
     ):  # an lr axis replaces the preset's lr (a given --lr is refused)
         setup.pop(LR_AXIS_FIELD, None)
     overrides = {**setup, **overrides}  # flags override the preset's setup
-    for key in preset.get("requires", ()):  # --report-only: the sweep's record has them
-        if overrides.get(key) is None and record is not None:
-            overrides[key] = record.get("overrides", {}).get(key)
-    missing = [key for key in preset.get("requires", ()) if overrides.get(key) is None]
+    recorded, missing = (record or {}).get("overrides", {}), []  # --report-only: the record has them
+    for key in preset.get("requires", ()):
+        if overrides.get(key) is None:
+            overrides[key] = recorded.get(key)
+        if overrides[key] is None:
+            missing.append(key)
     if missing:
         flags = " and ".join("--" + key.replace("_", "-") for key in missing)
         raise ValueError(
