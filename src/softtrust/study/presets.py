@@ -168,8 +168,8 @@ PRESETS = {
         "overrides": {**STUDY_SETUP, "mismatch": "bf16", "max_steps": 32},
     },
     # The first result on a pretrained language model (issue 34): clip and VESPO, on-policy and
-    # N = 8, seeds 0-2, on SmolLM2-135M-Instruct. 12 cells of 24 steps, 20-23 min a cell on one
-    # core (measured, evaluation included), so ~4.5 h of cell time; resumable.
+    # N = 8, seeds 0-2, on SmolLM2-135M-Instruct. 12 cells of 24 steps, 19-34 min a cell on one
+    # core beside another job (measured, evaluation included; N = 8 the slower), ~5.2 h in all.
     "pilot-smollm2": {
         "methods": "clip,vespo",
         "staleness": "1,8",
