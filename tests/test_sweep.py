@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -473,6 +474,43 @@ def test_every_preset_builds_a_valid_grid(name, tmp_path, micro_model_dir):
         assert sweep.lrs == PRESETS[name]["lrs"] and "lr" not in sweep.overrides
     assert sweep.overrides.items() >= expected.items()
     assert sweep.jobs == PRESETS[name].get("jobs", os.cpu_count() or 1)  # async: one cell at a time
+
+
+@pytest.mark.parametrize(
+    ("preset", "seeds", "expected", "warning"),
+    [
+        (
+            "confirm-sync",
+            "14",
+            list(range(14)),
+            r"seeds 0, 1, 2, 3, 4 are not among the registered .*'14' is a number of seeds \(0-13\): for seed 14 alone write '14,'",
+        ),
+        ("confirm-sync", "14,", [14], None),
+        ("confirm-sync", "9,10", [9, 10], None),
+        (
+            "confirm-lr",
+            "9,10",
+            [9, 10],
+            r"seed 10 is not among the registered seeds of --preset confirm-lr \(5-9, ",
+        ),
+        ("quick", "14", list(range(14)), None),  # no registered seeds: a count is the usual form
+    ],
+)
+def test_a_confirmation_preset_warns_of_seeds_it_did_not_register(
+    preset, seeds, expected, warning, tmp_path, capsys
+):
+    """``--seeds 14`` is a count (seeds 0-13): on a ``confirm-*`` preset that runs unregistered
+    seeds, which the confirmation tests leave out, so the command warns and shows the one-seed form."""
+    from softtrust.cli import build_parser
+    from softtrust.study.cli import sweep_from_arguments
+
+    argv = ["sweep", "--preset", preset, "--seeds", seeds, "--output-dir", str(tmp_path / "sweep")]
+    assert sweep_from_arguments(*build_parser().parse_known_args(argv)).seeds == expected
+    err = capsys.readouterr().err
+    if warning is None:
+        assert err == ""
+    else:
+        assert re.search(warning, err), err
 
 
 def test_the_real_model_pilot_needs_a_model_and_data_and_runs_without_a_warm_start(tmp_path):

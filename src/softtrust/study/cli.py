@@ -44,9 +44,8 @@ def add_sweep_arguments(parser) -> None:
     )
     parser.add_argument(
         "--seeds",
-        help="A number of seeds S (seeds 0..S-1), or a comma-separated list ('1,' is seed 1 alone). [default: "
-        + PRESETS["full"]["seeds"]
-        + "]",
+        help="A number of seeds S (seeds 0..S-1), or a comma-separated list ('1,' is seed 1 alone); a confirm-* "
+        "preset warns of seeds it did not register. [default: " + PRESETS["full"]["seeds"] + "]",
     )
     parser.add_argument(
         "--lrs",
@@ -144,10 +143,13 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
             )
         overrides["max_lag"] = lags[0]
     jobs = arguments.jobs if arguments.jobs is not None else preset.get("jobs", os.cpu_count() or 1)
+    seeds = parse_seeds(given_or(arguments.seeds, preset["seeds"]))
+    if arguments.seeds is not None and name.startswith("confirm-"):
+        warn_unregistered_seeds(name, arguments.seeds, seeds, parse_seeds(preset["seeds"]))
     return Sweep(
         methods=split_methods(given_or(arguments.methods, preset["methods"])),
         staleness=parse_int_list(axis_text, axis_name),
-        seeds=parse_seeds(given_or(arguments.seeds, preset["seeds"])),
+        seeds=seeds,
         output_dir=sweep_directory(arguments.sweep_dir, name),
         overrides=overrides,
         jobs=jobs,
@@ -155,6 +157,25 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
         lrs=parse_lrs(arguments.lrs) if arguments.lrs is not None else preset.get("lrs"),
         allow_mixed_code=getattr(arguments, "allow_mixed_code", False),
         reference=given_or(getattr(arguments, "reference", None), preset.get("reference")),
+    )
+
+
+def warn_unregistered_seeds(name: str, text: str, seeds: list[int], registered: list[int]) -> None:
+    """Warn on stderr when ``--seeds`` (``text``) runs seeds that a ``confirm-*`` preset did not
+    register (docs/preregistration.md): their cells run, but the confirmation tests leave them out.
+    A bare number is a count, so ``--seeds 14`` is seeds 0-13, not seed 14 (written ``14,``)."""
+    extra = [seed for seed in seeds if seed not in registered]
+    if not extra:
+        return
+    hint = ""
+    if "," not in str(text):
+        hint = f"; {text!r} is a number of seeds (0-{seeds[-1]}): for seed {text} alone write '{text},'"
+    print(
+        f"softtrust sweep: warning: {'seed' if len(extra) == 1 else 'seeds'} {', '.join(map(str, extra))} "
+        f"{'is' if len(extra) == 1 else 'are'} not among the registered seeds of --preset "
+        f"{name} ({registered[0]}-{registered[-1]}, docs/preregistration.md) and the confirmation tests "
+        f"leave them out{hint}",
+        file=sys.stderr,
     )
 
 
