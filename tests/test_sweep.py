@@ -500,7 +500,7 @@ def test_a_confirmation_preset_warns_of_seeds_it_did_not_register(
     preset, seeds, expected, warning, tmp_path, capsys
 ):
     """``--seeds 14`` is a count (seeds 0-13): on a ``confirm-*`` preset that runs unregistered
-    seeds, which the confirmation tests leave out, so the command warns and shows the one-seed form."""
+    seeds, no part of its registered analysis, so the command warns and shows the one-seed form."""
     from softtrust.cli import build_parser
     from softtrust.study.cli import sweep_from_arguments
 

@@ -162,19 +162,19 @@ def sweep_from_arguments(arguments, extra: list[str], record: dict | None = None
 
 def warn_unregistered_seeds(name: str, text: str, seeds: list[int], registered: list[int]) -> None:
     """Warn on stderr when ``--seeds`` (``text``) runs seeds that a ``confirm-*`` preset did not
-    register (docs/preregistration.md): their cells run, but the confirmation tests leave them out.
-    A bare number is a count, so ``--seeds 14`` is seeds 0-13, not seed 14 (written ``14,``)."""
+    register (docs/preregistration.md): their cells run, but they are no part of its registered
+    analysis. A bare number is a count, so ``--seeds 14`` is seeds 0-13, not seed 14 (``14,``)."""
     extra = [seed for seed in seeds if seed not in registered]
     if not extra:
         return
+    named = f"seed {extra[0]} is" if len(extra) == 1 else f"seeds {', '.join(map(str, extra))} are"
     hint = ""
-    if "," not in str(text):
+    if "," not in text:
         hint = f"; {text!r} is a number of seeds (0-{seeds[-1]}): for seed {text} alone write '{text},'"
     print(
-        f"softtrust sweep: warning: {'seed' if len(extra) == 1 else 'seeds'} {', '.join(map(str, extra))} "
-        f"{'is' if len(extra) == 1 else 'are'} not among the registered seeds of --preset "
-        f"{name} ({registered[0]}-{registered[-1]}, docs/preregistration.md) and the confirmation tests "
-        f"leave them out{hint}",
+        f"softtrust sweep: warning: {named} not among the registered seeds of --preset {name} "
+        f"({registered[0]}-{registered[-1]}, docs/preregistration.md) and no part of its registered "
+        f"analysis{hint}",
         file=sys.stderr,
     )
 
