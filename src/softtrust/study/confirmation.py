@@ -33,6 +33,7 @@ import yaml
 from softtrust._runfiles import atomic_write_text
 
 from .analysis import CollapseCriterion, run_outcome
+from .presets import REGISTERED_SEEDS
 from .runs import load_run
 from .stats import ALPHA, holm, mean_std_ci, paired_t_test, sign_test
 
@@ -49,7 +50,7 @@ Key = tuple[str, int, int]
 
 
 REGISTRATION = "e767df9"  # the commit of docs/preregistration.md: every counted cell descends from it
-SEEDS = tuple(range(5, 15))  # the registered seeds
+SEEDS = REGISTERED_SEEDS  # the registered seeds (one list: the confirm-* presets')
 
 
 def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:

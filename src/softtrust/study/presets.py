@@ -48,7 +48,8 @@ PILOT_SETUP = {
     "eval_every": 8,
 }
 
-CONFIRM_SEEDS = "5,6,7,8,9,10,11,12,13,14"  # the confirmation study's fresh seeds (docs/preregistration.md)
+REGISTERED_SEEDS = tuple(range(5, 15))  # the confirmation study's fresh seeds (docs/preregistration.md)
+CONFIRM_SEEDS = ",".join(map(str, REGISTERED_SEEDS))  # the same, as a --seeds list
 
 PRESETS = {
     # The paper's comparison (its Table 2: GRPO-style clip, GSPO, SAPO, VESPO) at N = 4, 16
