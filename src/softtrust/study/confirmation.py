@@ -50,7 +50,6 @@ Key = tuple[str, int, int]
 
 
 REGISTRATION = "e767df9"  # the commit of docs/preregistration.md: every counted cell descends from it
-SEEDS = REGISTERED_SEEDS  # the registered seeds (one list: the confirm-* presets')
 
 
 def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:
@@ -127,7 +126,7 @@ def load_outcomes(
     excluded = [] if excluded is None else excluded
     for record in records:
         key = (record["cell"], record["value"], record["seed"])
-        reason = f"seed {key[2]} is not a registered seed" if key[2] not in SEEDS else None
+        reason = f"seed {key[2]} is not a registered seed" if key[2] not in REGISTERED_SEEDS else None
         if reason is None and registration is not None:
             reason = lineage_problem({"git_commit": record["commit"]}, registration)
         if reason is not None:
