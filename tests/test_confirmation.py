@@ -8,6 +8,7 @@ import itertools
 import math
 
 import pytest
+import yaml
 
 pytest.importorskip("scipy")
 
@@ -29,15 +30,21 @@ def area(points) -> float:
     return sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in itertools.pairwise(points)) / 256
 
 
-def write_cell(root, slug, axis, value, seed, level=None, stopped_at=None):
+def write_cell(root, slug, axis, value, seed, level=None, stopped_at=None, lr=None):
+    """A run's directory; with ``lr``, under the learning-rate axis (``.../lr<lr>/seed<s>``, the
+    lr in its ``config.yaml``) as ``softtrust sweep --lrs`` writes it."""
     points = curve(level, seed)
-    directory = root / "runs" / slug / f"{axis}{value}" / f"seed{seed}"
+    directory = root / "runs" / slug / f"{axis}{value}" / (f"lr{lr:g}" if lr else "") / f"seed{seed}"
     if stopped_at is not None:
         kept = [(s, a) for s, a in points if s <= stopped_at]
         write_run(directory, kept, stopped_at, returncode=3)
     else:
         summary = {"steps": 256, "accuracy_before": 0.30, "accuracy_after": points[-1][1]}
         write_run(directory, points, 256, summary=summary, returncode=0)
+    if lr:
+        (directory / "config.yaml").write_text(
+            yaml.safe_dump({"lr": lr, "seed": seed})
+        )  # as the trainer writes it
     return points
 
 
@@ -245,3 +252,48 @@ def test_export_adds_each_sittings_finished_runs_to_one_file(tmp_path, capsys):
         c.main(["--export", str(tmp_path / "s3"), str(data)])
     assert "already holds clip N=4 seed 5 with other values" in capsys.readouterr().err
     assert data.read_text() == before
+
+
+def test_the_lr_sensitivity_table_from_the_lr_axis_runs(tmp_path, capsys):
+    """confirm-lr (descriptive, no test): its runs sit one level deeper (``N64/lr<lr>/seed<s>``);
+    --export keeps each learning rate's run apart, and the table gives VESPO − clip at N = 64 per
+    seed and learning rate, in final and area, exactly as the runs' values differ."""
+    import json
+
+    levels = {("clip", 5e-5): 0.50, ("vespo", 5e-5): 0.60, ("clip", 2e-4): 0.58, ("vespo", 2e-4): 0.55}
+    expected = {}
+    for (slug, lr), level in levels.items():
+        for seed in range(5, 10):
+            points = write_cell(tmp_path / "lr", slug, "N", 64, seed, level + 0.01 * (seed % 2), lr=lr)
+            expected[slug, lr, seed] = {"final": points[-1][1], "area": area(points)}
+    data = tmp_path / "confirm-lr.json"
+    assert c.main(["--export", str(tmp_path / "lr"), str(data)]) == 0
+    records = json.loads(data.read_text())
+    assert len(records) == 20 and {(r["cell"], r["axis"], r["value"]) for r in records} == {
+        ("clip", "N", 64),
+        ("vespo", "N", 64),
+    }
+    rows = c.lr_sensitivity(c.counted_records(data, registration=None))
+    assert [(row["lr"], row["measure"]) for row in rows] == [
+        (5e-5, "final"), (5e-5, "area"), (2e-4, "final"), (2e-4, "area"),
+    ]  # fmt: skip
+    for row in rows:
+        want = [expected["vespo", row["lr"], s][row["measure"]] - expected["clip", row["lr"], s][row["measure"]]
+                for s in range(5, 10)]  # fmt: skip
+        assert row["seeds"] == list(range(5, 10)) and row["differences"] == pytest.approx(want, abs=1e-12)
+        assert row["mean"] == pytest.approx(sum(want) / 5, abs=1e-12)
+    assert rows[0]["mean"] > 0 > rows[2]["mean"]  # VESPO ahead at 5e-5, behind at 2e-4 by construction
+    table = c.lr_markdown(rows)
+    assert (
+        "| 5e-05 | final | 5: +10.0, 6: +10.0, 7: +10.0, 8: +10.0, 9: +10.0 | +10.0 ± 0.0 (n = 5) | yes |"
+        in table
+    )
+    assert "| 0.0002 | final | 5: -3.0," in table and table.count("\n") == 6
+    sync_sweep(tmp_path / "sync", LEVELS)
+    (tmp_path / "async").mkdir()
+    assert (
+        c.main(["--sync", str(tmp_path / "sync"), "--async", str(tmp_path / "async"), "--lr", str(data)]) == 0
+    )
+    text = capsys.readouterr().out  # the runs here record no commit: listed as left out, by learning rate
+    assert text.index("Sensitivity to the learning rate") < text.index("Runs left out")
+    assert "- vespo N=64 lr=5e-05 seed 9: no recorded commit" in text and "clip N=64 lr=0.0002 seed 5" in text

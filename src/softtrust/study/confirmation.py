@@ -14,7 +14,7 @@ equivalence (TOST) cannot be shown by it and does not hold. The primary family (
 secondary one (S1, S2) are each adjusted by Holm at α = 0.05.
 
     python -m softtrust.study.confirmation --sync sweeps/confirm --async sweeps/confirm-async \\
-        [--mismatch sweeps/confirm-mismatch] [--output docs/confirmation.md]
+        [--mismatch sweeps/confirm-mismatch] [--lr sweeps/confirm-lr] [--output docs/confirmation.md]
     python -m softtrust.study.confirmation --export sweeps/confirm docs/data/confirm.json  # adds finished runs
     python -m softtrust.study.confirmation --sync docs/data/confirm.json --async docs/data/confirm-async.json
 """
@@ -58,17 +58,18 @@ def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:
     ``final`` and ``area``, the evaluation curve, the reward per step, the recorded commit and the
     settings that define the cell (its ``config.yaml`` without paths and display fields)."""
     records, criterion = [], CollapseCriterion()
-    for seed_dir in sorted(Path(sweep_dir).glob("runs/*/*/seed*")):
+    root = Path(sweep_dir)  # runs/<slug>/N64/lr<lr>/seed<s> with a learning-rate axis (confirm-lr)
+    for seed_dir in sorted([*root.glob("runs/*/*/seed*"), *root.glob("runs/*/*/lr*/seed*")]):
         run = load_run(seed_dir)
         if run is None:
             continue
         outcome = run_outcome(run, max_steps, criterion)
-        axis_dir = seed_dir.parent.name
+        axis_dir = seed_dir.parent.parent if seed_dir.parent.name.startswith("lr") else seed_dir.parent
         settings = {}
         if (seed_dir / "config.yaml").is_file():
             settings = yaml.safe_load((seed_dir / "config.yaml").read_text()) or {}
         records.append({
-            "cell": seed_dir.parent.parent.name, "axis": axis_dir[0], "value": int(axis_dir[1:].split("-")[0]),
+            "cell": axis_dir.parent.name, "axis": axis_dir.name[0], "value": int(axis_dir.name[1:].split("-")[0]),
             "seed": int(seed_dir.name.removeprefix("seed")), "status": outcome["status"],
             "collapsed": bool(outcome["collapsed"]), "final": outcome["final_accuracy"], "area": outcome["auc_accuracy"],
             "accuracy": [list(point) for point in run["accuracies"]], "reward": [value for _, value in run["rewards"]],
@@ -120,21 +121,82 @@ def load_outcomes(
     ``cell_records`` were exported to (``docs/data/``): the same values either way. ``excluded``
     receives a line for every run left out (another seed, another commit, no recorded commit, a
     commit git cannot check)."""
+    values = {}
+    for record in counted_records(source, max_steps, registration, excluded):
+        failed = record["status"] == "stopped" or record["collapsed"]
+        values[record["cell"], record["value"], record["seed"]] = {
+            "final": record["final"], "area": record["area"], "failed": failed,
+        }  # fmt: skip
+    return values
+
+
+def counted_records(
+    source: Path,
+    max_steps: int = MAX_STEPS,
+    registration: str | None = REGISTRATION,
+    excluded: list[str] | None = None,
+    by_lr: bool = False,
+) -> list[dict]:
+    """The ``cell_records`` of ``source`` (a sweep directory or its exported JSON) that count: a
+    registered seed and a recorded commit descending from ``registration``; a line in
+    ``excluded`` for each other one (naming its learning rate with ``by_lr``: confirm-lr)."""
     source = Path(source)
     records = json.loads(source.read_text()) if source.is_file() else cell_records(source, max_steps)
-    values = {}
     excluded = [] if excluded is None else excluded
+    counted = []
     for record in records:
-        key = (record["cell"], record["value"], record["seed"])
-        reason = f"seed {key[2]} is not a registered seed" if key[2] not in REGISTERED_SEEDS else None
+        reason = (
+            f"seed {record['seed']} is not a registered seed"
+            if record["seed"] not in REGISTERED_SEEDS
+            else None
+        )
         if reason is None and registration is not None:
             reason = lineage_problem({"git_commit": record["commit"]}, registration)
         if reason is not None:
-            excluded.append(f"{record['cell']} {record['axis']}={key[1]} seed {key[2]}: {reason}")
+            lr = f" lr={record['settings'].get('lr')}" if by_lr else ""
+            excluded.append(
+                f"{record['cell']} {record['axis']}={record['value']}{lr} seed {record['seed']}: {reason}"
+            )
             continue
-        failed = record["status"] == "stopped" or record["collapsed"]
-        values[key] = {"final": record["final"], "area": record["area"], "failed": failed}
-    return values
+        counted.append(record)
+    return counted
+
+
+def lr_sensitivity(records: list[dict]) -> list[dict]:
+    """The registered sensitivity check (descriptive, no test): per learning rate and measure
+    (``final``, ``area``), ``d_s = value(VESPO, N = 64, seed s) − value(clip, N = 64, seed s)`` for
+    every seed with both runs (a stopped run at its registered values), with their mean ± std.
+    ``records``: ``counted_records`` of the ``confirm-lr`` sweep (the lr is each run's setting)."""
+    by_key = {(r["cell"], r["value"], r["settings"].get("lr"), r["seed"]): r for r in records}
+    rows = []
+    for lr in sorted({key[2] for key in by_key if key[2] is not None}):
+        seeds = sorted(
+            s
+            for c, n, rate, s in by_key
+            if (c, n, rate) == ("vespo", 64, lr) and ("clip", 64, lr, s) in by_key
+        )
+        for measure in ("final", "area"):
+            differences = [
+                by_key["vespo", 64, lr, s][measure] - by_key["clip", 64, lr, s][measure] for s in seeds
+            ]
+            rows.append({"lr": lr, "measure": measure, "seeds": seeds, "differences": differences,
+                         **mean_std_ci(differences)})  # fmt: skip
+    return rows
+
+
+def lr_markdown(rows: list[dict]) -> str:
+    """``lr_sensitivity`` as a Markdown table (points)."""
+    lines = ["| lr | measure | VESPO − clip at N = 64, per seed (points) | mean ± std | mean > 0 |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for row in rows:
+        per_seed = ", ".join(
+            f"{s}: {100 * d:+.1f}" for s, d in zip(row["seeds"], row["differences"], strict=True)
+        )
+        spread = "—" if row["std"] is None else f"{100 * row['std']:.1f}"
+        mean = "—" if row["mean"] is None else f"{100 * row['mean']:+.1f} ± {spread} (n = {row['n']})"
+        sign = "—" if row["mean"] is None else ("yes" if row["mean"] > 0 else "no")
+        lines.append(f"| {row['lr']:g} | {row['measure']} | {per_seed} | {mean} | {sign} |")
+    return "\n".join(lines) + "\n"
 
 
 def lineage_problem(provenance: dict | None, registration: str) -> str | None:
@@ -279,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", type=Path, help="the sync presets' sweep directory (or its exported data)")
     parser.add_argument("--async", dest="asynchronous", type=Path, help="the async presets' (or their data)")
     parser.add_argument("--mismatch", type=Path, help="S2's sweep directory (or its data), when it ran")
+    parser.add_argument(
+        "--lr", type=Path, help="confirm-lr's sweep directory (or its data): the sensitivity table"
+    )
     parser.add_argument("--output", type=Path, help="also write the tables to this Markdown file")
     parser.add_argument(
         "--export", nargs=2, type=Path, metavar=("SWEEP_DIR", "FILE"),
@@ -296,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if arguments.sync is None or arguments.asynchronous is None:
         parser.error("--sync and --async are required (or --export SWEEP_DIR FILE)")
-    for name in ("sync", "asynchronous", "mismatch"):
+    for name in ("sync", "asynchronous", "mismatch", "lr"):
         path = getattr(arguments, name)
         if path is not None and not path.exists():
             parser.error(f"--{name.replace('asynchronous', 'async')}: {str(path)!r} does not exist")
@@ -304,12 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     sync = load_outcomes(arguments.sync, excluded=excluded)
     asynchronous = load_outcomes(arguments.asynchronous, excluded=excluded)
     mismatch = load_outcomes(arguments.mismatch, excluded=excluded) if arguments.mismatch else None
-    left_out = "none" if not excluded else "\n" + "\n".join(f"- {line}" for line in excluded)
     text = (
         "Primary family (Holm over H1–H4):\n\n" + markdown(primary_family(sync, asynchronous))
         + "\nSecondary family (Holm over its tests):\n\n" + markdown(secondary_family(sync, mismatch))
-        + f"\nRuns left out: {left_out}\n"
     )  # fmt: skip
+    if arguments.lr:
+        rows = lr_sensitivity(counted_records(arguments.lr, excluded=excluded, by_lr=True))
+        text += "\nSensitivity to the learning rate (descriptive, no test):\n\n" + lr_markdown(rows)
+    left_out = "none" if not excluded else "\n" + "\n".join(f"- {line}" for line in excluded)
+    text += f"\nRuns left out: {left_out}\n"
     print(text)
     if arguments.output:
         arguments.output.write_text(text)
