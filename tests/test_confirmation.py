@@ -296,4 +296,12 @@ def test_the_lr_sensitivity_table_from_the_lr_axis_runs(tmp_path, capsys):
     )
     text = capsys.readouterr().out  # the runs here record no commit: listed as left out, by learning rate
     assert text.index("Sensitivity to the learning rate") < text.index("Runs left out")
-    assert "- vespo N=64 lr=5e-05 seed 9: no recorded commit" in text and "clip N=64 lr=0.0002 seed 5" in text
+    assert (
+        "- vespo N=64 seed 9 (lr 5e-05): no recorded commit" in text
+        and "clip N=64 seed 5 (lr 0.0002)" in text
+    )
+    unfinished = tmp_path / "lr" / "runs" / "clip" / "N64" / "lr5e-05" / "seed7"
+    (unfinished / "summary.json").unlink()
+    (unfinished / "sweep-cell.json").unlink()  # cut at a sitting's end: no value, its seed leaves the pairs
+    rows = c.lr_sensitivity(c.counted_records(tmp_path / "lr", registration=None))
+    assert [row["seeds"] for row in rows] == [[5, 6, 8, 9], [5, 6, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]

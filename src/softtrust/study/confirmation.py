@@ -53,7 +53,7 @@ REGISTRATION = "e767df9"  # the commit of docs/preregistration.md: every counted
 
 
 def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:
-    """One compact record per run under ``sweep_dir/runs/<slug>/<N|K><value>/seed<s>`` (the per-cell
+    """One compact record per run under ``sweep_dir/runs/<slug>/<N|K><value>[/lr<lr>]/seed<s>`` (the per-cell
     data of ``docs/data/``, issue 36 item 4): the cell, its status and collapse, the registered
     ``final`` and ``area``, the evaluation curve, the reward per step, the recorded commit and the
     settings that define the cell (its ``config.yaml`` without paths and display fields)."""
@@ -92,8 +92,8 @@ def export(sweep_dir: Path, target: Path) -> str:
         key = _record_key(record)
         if merged.get(key, record) != record:
             raise ValueError(
-                f"{target} already holds {record['cell']} {record['axis']}={record['value']} seed "
-                f"{record['seed']} with other values than {sweep_dir}'s run; keep one of them"
+                f"{target} already holds {_run_name(record)} with other values than {sweep_dir}'s run; "
+                "keep one of them"
             )
         merged[key] = record
     records = [merged[key] for key in sorted(merged, key=str)]
@@ -101,6 +101,13 @@ def export(sweep_dir: Path, target: Path) -> str:
     atomic_write_text(target, json.dumps(records, separators=(",", ":")) + "\n")
     added = len(merged) - len(held)
     return f"{len(finished)} finished runs in {sweep_dir} ({added} new); {len(records)} runs in {target}"
+
+
+def _run_name(record: dict) -> str:
+    lr = record["settings"].get("lr")
+    return f"{record['cell']} {record['axis']}={record['value']} seed {record['seed']}" + (
+        f" (lr {lr})" if lr is not None else ""
+    )
 
 
 def _record_key(record: dict) -> tuple:
@@ -135,11 +142,10 @@ def counted_records(
     max_steps: int = MAX_STEPS,
     registration: str | None = REGISTRATION,
     excluded: list[str] | None = None,
-    by_lr: bool = False,
 ) -> list[dict]:
     """The ``cell_records`` of ``source`` (a sweep directory or its exported JSON) that count: a
     registered seed and a recorded commit descending from ``registration``; a line in
-    ``excluded`` for each other one (naming its learning rate with ``by_lr``: confirm-lr)."""
+    ``excluded`` for each other one."""
     source = Path(source)
     records = json.loads(source.read_text()) if source.is_file() else cell_records(source, max_steps)
     excluded = [] if excluded is None else excluded
@@ -153,10 +159,7 @@ def counted_records(
         if reason is None and registration is not None:
             reason = lineage_problem({"git_commit": record["commit"]}, registration)
         if reason is not None:
-            lr = f" lr={record['settings'].get('lr')}" if by_lr else ""
-            excluded.append(
-                f"{record['cell']} {record['axis']}={record['value']}{lr} seed {record['seed']}: {reason}"
-            )
+            excluded.append(f"{_run_name(record)}: {reason}")
             continue
         counted.append(record)
     return counted
@@ -165,17 +168,20 @@ def counted_records(
 def lr_sensitivity(records: list[dict]) -> list[dict]:
     """The registered sensitivity check (descriptive, no test): per learning rate and measure
     (``final``, ``area``), ``d_s = value(VESPO, N = 64, seed s) − value(clip, N = 64, seed s)`` for
-    every seed with both runs (a stopped run at its registered values), with their mean ± std.
+    every seed where both runs have a value (a stopped run at its registered values; an
+    unfinished one has none), with their mean ± std.
     ``records``: ``counted_records`` of the ``confirm-lr`` sweep (the lr is each run's setting)."""
     by_key = {(r["cell"], r["value"], r["settings"].get("lr"), r["seed"]): r for r in records}
     rows = []
     for lr in sorted({key[2] for key in by_key if key[2] is not None}):
-        seeds = sorted(
-            s
-            for c, n, rate, s in by_key
-            if (c, n, rate) == ("vespo", 64, lr) and ("clip", 64, lr, s) in by_key
-        )
         for measure in ("final", "area"):
+            seeds = sorted(
+                s
+                for c, n, rate, s in by_key
+                if (c, n, rate) == ("vespo", 64, lr)
+                and by_key[c, n, rate, s][measure] is not None
+                and by_key.get(("clip", 64, lr, s), {}).get(measure) is not None
+            )
             differences = [
                 by_key["vespo", 64, lr, s][measure] - by_key["clip", 64, lr, s][measure] for s in seeds
             ]
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         + "\nSecondary family (Holm over its tests):\n\n" + markdown(secondary_family(sync, mismatch))
     )  # fmt: skip
     if arguments.lr:
-        rows = lr_sensitivity(counted_records(arguments.lr, excluded=excluded, by_lr=True))
+        rows = lr_sensitivity(counted_records(arguments.lr, excluded=excluded))
         text += "\nSensitivity to the learning rate (descriptive, no test):\n\n" + lr_markdown(rows)
     left_out = "none" if not excluded else "\n" + "\n".join(f"- {line}" for line in excluded)
     text += f"\nRuns left out: {left_out}\n"
