@@ -436,6 +436,35 @@ def test_largest_stable_lr_scans_upwards_and_stops_at_the_first_failure():
     assert largest_stable_lr([], seeds=2) is None
 
 
+def test_run_directories_read_back_every_cell_directory_and_leave_out_other_folders(tmp_path):
+    from softtrust.study.grid import Cell
+
+    spec = split_methods("clip[proximal=held,proximal_every=16]")[0]
+    cells = [
+        Cell(spec, 64, 5),
+        Cell(spec, 16, 14, axis="K"),
+        Cell(spec, 64, 7, lr=5e-5),
+        Cell(spec, 64, 7, lr=2e-4),
+    ]
+    for cell in cells:
+        cell.directory(tmp_path).mkdir(parents=True)
+    for stray in (
+        "runs/clip/N64-old/seed5",
+        "runs/clip/N64/notes",
+        "runs/clip/X4/seed1",
+        "runs/clip/N64/x2/seed3",
+    ):
+        (tmp_path / stray).mkdir(parents=True)
+    found = Cell.run_directories(tmp_path)
+    expected = [
+        (cell.directory(tmp_path), {"slug": spec.slug, "axis": cell.axis, "value": cell.staleness,
+                                    "lr": None if cell.lr is None else f"{cell.lr:g}", "seed": cell.seed})
+        for cell in cells
+    ]  # fmt: skip
+    assert sorted(found, key=str) == sorted(expected, key=str)
+    assert [float(parts["lr"]) for _, parts in found if parts["lr"]] == [2e-4, 5e-5]  # sorted by folder name
+
+
 def test_lr_and_lrs_together_or_bad_rates_are_refused(sweep_env, tmp_path, capsys):
     output = tmp_path / "sweep"
     assert main(sweep_argv(sweep_env, output, "clip", "1", "--lrs", "1e-3,2e-3")) == 2

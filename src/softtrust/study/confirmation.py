@@ -33,6 +33,7 @@ import yaml
 from softtrust._runfiles import atomic_write_text
 
 from .analysis import CollapseCriterion, run_outcome
+from .grid import Cell
 from .presets import REGISTERED_SEEDS
 from .runs import load_run
 from .stats import ALPHA, holm, mean_std_ci, paired_t_test, sign_test
@@ -58,19 +59,17 @@ def cell_records(sweep_dir: Path, max_steps: int = MAX_STEPS) -> list[dict]:
     ``final`` and ``area``, the evaluation curve, the reward per step, the recorded commit and the
     settings that define the cell (its ``config.yaml`` without paths and display fields)."""
     records, criterion = [], CollapseCriterion()
-    root = Path(sweep_dir)  # runs/<slug>/N64/lr<lr>/seed<s> with a learning-rate axis (confirm-lr)
-    for seed_dir in sorted([*root.glob("runs/*/*/seed*"), *root.glob("runs/*/*/lr*/seed*")]):
+    for seed_dir, parts in Cell.run_directories(Path(sweep_dir)):
         run = load_run(seed_dir)
         if run is None:
             continue
         outcome = run_outcome(run, max_steps, criterion)
-        axis_dir = seed_dir.parent.parent if seed_dir.parent.name.startswith("lr") else seed_dir.parent
         settings = {}
         if (seed_dir / "config.yaml").is_file():
             settings = yaml.safe_load((seed_dir / "config.yaml").read_text()) or {}
         records.append({
-            "cell": axis_dir.parent.name, "axis": axis_dir.name[0], "value": int(axis_dir.name[1:].split("-")[0]),
-            "seed": int(seed_dir.name.removeprefix("seed")), "status": outcome["status"],
+            "cell": parts["slug"], "axis": parts["axis"], "value": parts["value"],
+            "seed": parts["seed"], "status": outcome["status"],
             "collapsed": bool(outcome["collapsed"]), "final": outcome["final_accuracy"], "area": outcome["auc_accuracy"],
             "accuracy": [list(point) for point in run["accuracies"]], "reward": [value for _, value in run["rewards"]],
             "commit": (run.get("provenance") or {}).get("git_commit"),
@@ -198,11 +197,18 @@ def lr_markdown(rows: list[dict]) -> str:
         per_seed = ", ".join(
             f"{s}: {100 * d:+.1f}" for s, d in zip(row["seeds"], row["differences"], strict=True)
         )
-        spread = "—" if row["std"] is None else f"{100 * row['std']:.1f}"
-        mean = "—" if row["mean"] is None else f"{100 * row['mean']:+.1f} ± {spread} (n = {row['n']})"
+        mean = "—" if row["mean"] is None else f"{_points(row)} (n = {row['n']})"
         sign = "—" if row["mean"] is None else ("yes" if row["mean"] > 0 else "no")
         lines.append(f"| {row['lr']:g} | {row['measure']} | {per_seed} | {mean} | {sign} |")
     return "\n".join(lines) + "\n"
+
+
+def _points(stat: dict) -> str:
+    """``stat``'s (``mean_std_ci``'s) mean ± std in points, or "—" where it has no mean."""
+    if stat["mean"] is None:
+        return "—"
+    spread = "—" if stat["std"] is None else f"{100 * stat['std']:.1f}"
+    return f"{100 * stat['mean']:+.1f} ± {spread}"
 
 
 def lineage_problem(provenance: dict | None, registration: str) -> str | None:
@@ -330,10 +336,8 @@ def markdown(family: list[dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for e in family:
-        spread = "—" if e["std"] is None else f"{100 * e['std']:.1f}"
-        mean = "—" if e["mean"] is None else f"{100 * e['mean']:+.1f} ± {spread}"
         lines.append(
-            f"| {e['name']} | {e['claim']} | {e['measure']} | {mean} (n = {e['n']}) | {e['positive']} / "
+            f"| {e['name']} | {e['claim']} | {e['measure']} | {_points(e)} (n = {e['n']}) | {e['positive']} / "
             f"{e['negative']} | {e['test']} | {e['p']:.4f} | {e['p_holm']:.4f} | "
             f"{'**yes**' if e['holds'] else 'no'}{' (' + e['note'] + ')' if e.get('note') else ''} |"
         )

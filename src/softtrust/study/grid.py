@@ -4,6 +4,7 @@ the cells, and each cell's ``TrainConfig``."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +143,12 @@ def parse_seeds(text: str) -> list[int]:
     return list(range(values[0]))
 
 
+# Cell.directory's layout, relative to the sweep directory (read back by Cell.run_directories)
+_RUN_LAYOUT = re.compile(
+    r"runs/(?P<slug>[^/]+)/(?P<axis>[NK])(?P<value>\d+)(?:/lr(?P<lr>[^/]+))?/seed(?P<seed>\d+)"
+)
+
+
 @dataclass(frozen=True)
 class Cell:
     """One run of the grid."""
@@ -157,6 +164,20 @@ class Cell:
         if self.lr is not None:
             base = base / f"lr{self.lr:g}"
         return base / f"seed{self.seed}"
+
+    @staticmethod
+    def run_directories(root: Path) -> list[tuple[Path, dict]]:
+        """Every run directory under the sweep directory ``root`` in ``directory``'s layout,
+        ``runs/<slug>/<N|K><value>[/lr<lr>]/seed<s>``, sorted, each with its parsed parts
+        (``slug``, ``axis``, ``value``, ``lr`` as written or None, ``seed``). A folder outside that
+        layout (a copy named ``N64-old``, say) is not a run of the sweep and is left out."""
+        found = []
+        for path in sorted([*root.glob("runs/*/*/seed*"), *root.glob("runs/*/*/*/seed*")]):
+            match = _RUN_LAYOUT.fullmatch(path.relative_to(root).as_posix())
+            if match is not None:
+                parts = match.groupdict()
+                found.append((path, {**parts, "value": int(parts["value"]), "seed": int(parts["seed"])}))
+        return found
 
     @property
     def name(self) -> str:
