@@ -453,6 +453,11 @@ def test_run_directories_read_back_every_cell_directory_and_leave_out_other_fold
         "runs/clip/N64/notes",
         "runs/clip/X4/seed1",
         "runs/clip/N64/x2/seed3",
+        "runs/clip/N64/seed5-old",
+        "runs/clip/N064/seed5",
+        "runs/clip/N64/seed05",
+        "runs/clip/N64/lr2e-04/seed7",
+        "runs/clip/N64/lr0.0002-old/seed7",
     ):
         (tmp_path / stray).mkdir(parents=True)
     found = Cell.run_directories(tmp_path)

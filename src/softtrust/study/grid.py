@@ -145,8 +145,16 @@ def parse_seeds(text: str) -> list[int]:
 
 # Cell.directory's layout, relative to the sweep directory (read back by Cell.run_directories)
 _RUN_LAYOUT = re.compile(
-    r"runs/(?P<slug>[^/]+)/(?P<axis>[NK])(?P<value>\d+)(?:/lr(?P<lr>[^/]+))?/seed(?P<seed>\d+)"
+    r"runs/(?P<slug>[^/]+)/(?P<axis>[NK])(?P<value>0|[1-9][0-9]*)(?:/lr(?P<lr>[^/]+))?/seed(?P<seed>0|[1-9][0-9]*)"
 )
+
+
+def _written_lr(text: str) -> bool:
+    """Whether ``text`` is a learning rate as ``Cell.directory`` writes it (``f"{lr:g}"``)."""
+    try:
+        return f"{float(text):g}" == text
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -170,12 +178,15 @@ class Cell:
         """Every run directory under the sweep directory ``root`` in ``directory``'s layout,
         ``runs/<slug>/<N|K><value>[/lr<lr>]/seed<s>``, sorted, each with its parsed parts
         (``slug``, ``axis``, ``value``, ``lr`` as written or None, ``seed``). A folder outside that
-        layout (a copy named ``N64-old``, say) is not a run of the sweep and is left out."""
+        layout (a copy named ``N64-old``, ``seed5-old`` or ``lr2e-04``, say) is not a run of the sweep
+        and is left out."""
         found = []
         for path in sorted([*root.glob("runs/*/*/seed*"), *root.glob("runs/*/*/*/seed*")]):
             match = _RUN_LAYOUT.fullmatch(path.relative_to(root).as_posix())
-            if match is not None:
-                parts = match.groupdict()
+            parts = match.groupdict() if match is not None else None
+            if parts is not None and parts["lr"] is not None and not _written_lr(parts["lr"]):
+                parts = None  # lr2e-04-old, lrfoo: not a folder the grid writes
+            if parts is not None:
                 found.append((path, {**parts, "value": int(parts["value"]), "seed": int(parts["seed"])}))
         return found
 
