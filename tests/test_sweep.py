@@ -458,6 +458,8 @@ def test_run_directories_read_back_every_cell_directory_and_leave_out_other_fold
         "runs/clip/N64/seed05",
         "runs/clip/N64/lr2e-04/seed7",
         "runs/clip/N64/lr0.0002-old/seed7",
+        "runs/clip/N64/lrfoo/seed7",
+        "runs/clip/N64/lr2_0/seed7",
     ):
         (tmp_path / stray).mkdir(parents=True)
     found = Cell.run_directories(tmp_path)

@@ -143,18 +143,10 @@ def parse_seeds(text: str) -> list[int]:
     return list(range(values[0]))
 
 
-# Cell.directory's layout, relative to the sweep directory (read back by Cell.run_directories)
+# Cell.layout's form, loosely (Cell.run_directories keeps a match only if Cell.layout writes it back)
 _RUN_LAYOUT = re.compile(
-    r"runs/(?P<slug>[^/]+)/(?P<axis>[NK])(?P<value>0|[1-9][0-9]*)(?:/lr(?P<lr>[^/]+))?/seed(?P<seed>0|[1-9][0-9]*)"
+    r"runs/(?P<slug>[^/]+)/(?P<axis>[NK])(?P<value>[0-9]+)(?:/lr(?P<lr>[^/]+))?/seed(?P<seed>[0-9]+)"
 )
-
-
-def _written_lr(text: str) -> bool:
-    """Whether ``text`` is a learning rate as ``Cell.directory`` writes it (``f"{lr:g}"``)."""
-    try:
-        return f"{float(text):g}" == text
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -167,27 +159,35 @@ class Cell:
     axis: str = "N"  # "K" in async mode
     lr: float | None = None  # set when the learning rate is a grid axis (--lrs)
 
+    @staticmethod
+    def layout(slug: str, axis: str, value: int, lr: float | None, seed: int) -> str:
+        """A run's directory relative to the sweep directory: ``runs/<slug>/<axis><value>[/lr<lr>]/seed<seed>``,
+        the learning rate as ``f"{lr:g}"``."""
+        lr_level = "" if lr is None else f"/lr{lr:g}"
+        return f"runs/{slug}/{axis}{value}{lr_level}/seed{seed}"
+
     def directory(self, root: Path) -> Path:
-        base = root / "runs" / self.spec.slug / f"{self.axis}{self.staleness}"
-        if self.lr is not None:
-            base = base / f"lr{self.lr:g}"
-        return base / f"seed{self.seed}"
+        return root / self.layout(self.spec.slug, self.axis, self.staleness, self.lr, self.seed)
 
     @staticmethod
     def run_directories(root: Path) -> list[tuple[Path, dict]]:
-        """Every run directory under the sweep directory ``root`` in ``directory``'s layout,
-        ``runs/<slug>/<N|K><value>[/lr<lr>]/seed<s>``, sorted, each with its parsed parts
-        (``slug``, ``axis``, ``value``, ``lr`` as written or None, ``seed``). A folder outside that
-        layout (a copy named ``N64-old``, ``seed5-old`` or ``lr2e-04``, say) is not a run of the sweep
-        and is left out."""
+        """Every run directory under the sweep directory ``root`` that ``layout`` writes, sorted,
+        each with its parsed parts (``slug``, ``axis``, ``value``, ``lr`` as written or None,
+        ``seed``). A folder that ``layout`` would not write back as it is (a copy named ``N64-old``,
+        ``N064``, ``seed5-old`` or ``lr2e-04``, say) is not a run of the sweep and is left out."""
         found = []
         for path in sorted([*root.glob("runs/*/*/seed*"), *root.glob("runs/*/*/*/seed*")]):
-            match = _RUN_LAYOUT.fullmatch(path.relative_to(root).as_posix())
-            parts = match.groupdict() if match is not None else None
-            if parts is not None and parts["lr"] is not None and not _written_lr(parts["lr"]):
-                parts = None  # lr2e-04-old, lrfoo: not a folder the grid writes
-            if parts is not None:
-                found.append((path, {**parts, "value": int(parts["value"]), "seed": int(parts["seed"])}))
+            relative = path.relative_to(root).as_posix()
+            match = _RUN_LAYOUT.fullmatch(relative)
+            if match is None:
+                continue
+            parts = {**match.groupdict(), "value": int(match["value"]), "seed": int(match["seed"])}
+            try:
+                lr = None if parts["lr"] is None else float(parts["lr"])
+            except ValueError:  # lrfoo
+                continue
+            if Cell.layout(parts["slug"], parts["axis"], parts["value"], lr, parts["seed"]) == relative:
+                found.append((path, parts))
         return found
 
     @property
