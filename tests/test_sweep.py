@@ -460,8 +460,12 @@ def test_run_directories_read_back_every_cell_directory_and_leave_out_other_fold
         "runs/clip/N64/lr0.0002-old/seed7",
         "runs/clip/N64/lrfoo/seed7",
         "runs/clip/N64/lr2_0/seed7",
+        "runs/clip/N64/lrnan/seed7",
+        "runs/clip/N64/lr-0.001/seed7",
     ):
         (tmp_path / stray).mkdir(parents=True)
+    (tmp_path / "runs/clip/N4").mkdir(parents=True)
+    (tmp_path / "runs/clip/N4/seed4").write_text("a file, not a run")
     found = Cell.run_directories(tmp_path)
     expected = [
         (cell.directory(tmp_path), {"slug": spec.slug, "axis": cell.axis, "value": cell.staleness,

@@ -161,8 +161,8 @@ class Cell:
 
     @staticmethod
     def layout(slug: str, axis: str, value: int, lr: float | None, seed: int) -> str:
-        """A run's directory relative to the sweep directory: ``runs/<slug>/<axis><value>[/lr<lr>]/seed<seed>``,
-        the learning rate as ``f"{lr:g}"``."""
+        """A run's directory relative to the sweep directory,
+        ``runs/<slug>/<axis><value>[/lr<lr>]/seed<seed>``, the learning rate as ``f"{lr:g}"``."""
         lr_level = "" if lr is None else f"/lr{lr:g}"
         return f"runs/{slug}/{axis}{value}{lr_level}/seed{seed}"
 
@@ -174,18 +174,21 @@ class Cell:
         """Every run directory under the sweep directory ``root`` that ``layout`` writes, sorted,
         each with its parsed parts (``slug``, ``axis``, ``value``, ``lr`` as written or None,
         ``seed``). A folder that ``layout`` would not write back as it is (a copy named ``N64-old``,
-        ``N064``, ``seed5-old`` or ``lr2e-04``, say) is not a run of the sweep and is left out."""
+        ``N064``, ``seed5-old`` or ``lr2e-04``, say), one with a learning rate that is not finite and
+        positive, or a file, is not a run of the sweep and is left out."""
         found = []
         for path in sorted([*root.glob("runs/*/*/seed*"), *root.glob("runs/*/*/*/seed*")]):
             relative = path.relative_to(root).as_posix()
             match = _RUN_LAYOUT.fullmatch(relative)
-            if match is None:
+            if match is None or not path.is_dir():
                 continue
             parts = {**match.groupdict(), "value": int(match["value"]), "seed": int(match["seed"])}
             try:
                 lr = None if parts["lr"] is None else float(parts["lr"])
             except ValueError:  # lrfoo
                 continue
+            if lr is not None and not (math.isfinite(lr) and lr > 0):
+                continue  # lrnan, lr-0.001: no grid writes them
             if Cell.layout(parts["slug"], parts["axis"], parts["value"], lr, parts["seed"]) == relative:
                 found.append((path, parts))
         return found
