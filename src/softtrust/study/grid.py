@@ -183,12 +183,10 @@ class Cell:
             if match is None or not path.is_dir():
                 continue
             parts = {**match.groupdict(), "value": int(match["value"]), "seed": int(match["seed"])}
-            try:
-                lr = None if parts["lr"] is None else float(parts["lr"])
-            except ValueError:  # lrfoo
+            try:  # a rate as --lrs takes it (lrfoo, lrnan, lr-0.001: no grid writes them)
+                lr = None if parts["lr"] is None else parse_lrs(parts["lr"])[0]
+            except ValueError:
                 continue
-            if lr is not None and not (math.isfinite(lr) and lr > 0):
-                continue  # lrnan, lr-0.001: no grid writes them
             if Cell.layout(parts["slug"], parts["axis"], parts["value"], lr, parts["seed"]) == relative:
                 found.append((path, parts))
         return found
